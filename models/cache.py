@@ -86,6 +86,17 @@ class KVCache(abc.ABC):
     def truncate(self, seq_id: int, length: int) -> None:
         """Forget every token of ``seq_id`` from index ``length`` on (roll back a fork)."""
 
+    def checkpoint(self, seq_id: int):
+        """State to return to with :meth:`rollback` (default: the sequence length)."""
+        return self.length(seq_id)
+
+    def rollback(self, seq_id: int, state) -> None:
+        self.truncate(seq_id, state)
+
+    def max_step_tokens(self) -> int | None:
+        """The most new tokens one forward call may bring (None: no limit)."""
+        return None
+
     def begin_step(self, seq_ids: tuple[int, ...] | list[int], num_new: int) -> Step:
         return Step(tuple(seq_ids), num_new, tuple(self.length(s) for s in seq_ids))
 

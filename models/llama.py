@@ -174,13 +174,17 @@ def init_random_weights(model: Llama, seed: int = 0, std: float = 0.02) -> Llama
 @torch.inference_mode()
 def prefill(model: Llama, cache: KVCache, seq_id: int, tokens: torch.Tensor, *, start_pos: int = 0,
             chunk_size: int = 512, all_logits: bool = False) -> torch.Tensor:
-    """Feed ``tokens`` [T] of one sequence in chunks of ``chunk_size``.
+    """Feed ``tokens`` [T] of one sequence in chunks of ``chunk_size`` (or smaller, when
+    the cache limits how many tokens one step may bring).
 
     Returns the logits of the last token [vocab], or of every token [T, vocab] with
     ``all_logits``. Positions continue from ``start_pos``.
     """
     outs = []
     n = tokens.shape[0]
+    limit = cache.max_step_tokens()
+    if limit is not None:
+        chunk_size = min(chunk_size, limit)
     for lo in range(0, n, chunk_size):
         chunk = tokens[lo : lo + chunk_size].unsqueeze(0)
         pos = torch.arange(start_pos + lo, start_pos + lo + chunk.shape[1]).unsqueeze(0)

@@ -133,17 +133,30 @@ class PagedKVCache(KVCache):
         return list(self.tables)
 
     # ------------------------------------------------------------------ storage
-    def _reserve(self, layer: int, seq_id: int, new_len: int) -> None:
-        table, pool = self.tables[seq_id][layer], self.pools[layer]
-        need = -(-new_len // self.page_size) - len(table)
-        for _ in range(need):
-            page = pool.allocate()
-            if page is None:
-                raise KVCacheFullError(
-                    f"layer {layer}: all {pool.capacity} pages are in use; sequence {seq_id} needs "
-                    f"{need} more page(s) of {self.page_size} tokens. Raise max_pages or free sequences."
-                )
-            table.append(page)
+    def begin_step(self, seq_ids, num_new: int) -> Step:
+        """Reserve the pages every layer of every sequence needs for the step, all or
+        nothing: when a pool runs out, the pages taken so far are returned and the
+        cache is left as it was."""
+        step = super().begin_step(seq_ids, num_new)
+        taken: list[tuple[int, int, int]] = []  # (layer, seq, page)
+        for sid, past in zip(step.seq_ids, step.past):
+            need = -(-(past + num_new) // self.page_size)
+            for layer, pool in enumerate(self.pools):
+                table = self.tables[sid][layer]
+                while len(table) < need:
+                    page = pool.allocate()
+                    if page is None:
+                        for lyr, s, pg in reversed(taken):
+                            self.tables[s][lyr].pop()
+                            self.pools[lyr].free([pg])
+                        raise KVCacheFullError(
+                            f"layer {layer}: all {pool.capacity} pages are in use; sequence {sid} needs "
+                            f"{need - len(table)} more page(s) of {self.page_size} tokens. Raise max_pages "
+                            "or free sequences."
+                        )
+                    table.append(page)
+                    taken.append((layer, sid, page))
+        return step
 
     def _write(self, layer: int, step: Step, k: torch.Tensor, v: torch.Tensor) -> None:
         """Scatter the new tokens' K/V [B, KVH, T, D] into their page slots."""
@@ -151,7 +164,6 @@ class PagedKVCache(KVCache):
         pages, offs, rows, cols = [], [], [], []
         for b, sid in enumerate(step.seq_ids):
             start = self._len[sid][layer]
-            self._reserve(layer, sid, start + step.num_new)
             table = self.tables[sid][layer]
             for t in range(step.num_new):
                 pos = start + t

@@ -66,7 +66,7 @@ class _CacheSession(EvalSession):
         self.context_len = len(context)
         self.last_logits = prefill(method.model, self.cache, self.sid, torch.as_tensor(list(context)),
                                    chunk_size=method.prefill_chunk)
-        self.cache_len = self.cache.length(self.sid)
+        self.saved = self.cache.checkpoint(self.sid)
 
     def _feed(self, ids: Sequence[int], *, chunk: int) -> torch.Tensor:
         return prefill(self.m.model, self.cache, self.sid, torch.as_tensor(list(ids)), start_pos=self.context_len,
@@ -74,7 +74,7 @@ class _CacheSession(EvalSession):
 
     def logprobs(self, continuation: Sequence[int]) -> torch.Tensor:
         logits = self._feed(continuation, chunk=self.m.teacher_forcing_chunk)
-        self.cache.truncate(self.sid, self.cache_len)
+        self.cache.rollback(self.sid, self.saved)
         return token_logprobs(self.last_logits, logits, continuation)
 
     @torch.inference_mode()
@@ -92,7 +92,7 @@ class _CacheSession(EvalSession):
                 break
             logits = decode_one_token(self.m.model, self.cache, [self.sid], torch.tensor([tok]), torch.tensor([pos]))[0]
             pos += 1
-        self.cache.truncate(self.sid, self.cache_len)
+        self.cache.rollback(self.sid, self.saved)
         return out
 
     def close(self) -> None:

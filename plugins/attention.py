@@ -1,0 +1,65 @@
+"""TieredAttention — reference semantics (float32, readable). The ONNX function and the
+CUDA kernel of this op must match it.
+
+Attention of new queries over a *selection of pages* of a paged K/V pool, with a page
+mask that removes pages which are not selected or not resident, returning besides the
+output the log-sum-exp per query (so partial results over page blocks merge exactly,
+flash-decoding style) and the attention probability each page received.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def tiered_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
+                     page_mask: torch.Tensor, page_index: torch.Tensor, seq_len: torch.Tensor, past: torch.Tensor,
+                     *, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Paged attention with a residency/selection mask.
+
+    Shapes and layout (B sequences, H query heads, KVH kv heads, T new queries per sequence,
+    D head dim, C pool pages, P page size, M pages listed per sequence):
+
+    * ``q`` [B, H, T, D] — rotated queries; query t of sequence b sits at position ``past[b] + t``.
+    * ``k_pool``, ``v_pool`` [C, KVH, P, D] — page pool; slot o of page c holds one token.
+    * ``page_table`` [B, M] int64 — pool slot of each listed page (padding: any valid slot).
+    * ``page_mask`` [B, M] bool — False removes the page (not selected, not resident, padding).
+    * ``page_index`` [B, M] int64 — the page's logical index in its sequence: slot o of the
+      page holds the token at position ``page_index * P + o``.
+    * ``seq_len`` [B] int64 — tokens in the sequence; positions ``>= seq_len`` are empty slots.
+    * ``past`` [B] int64 — causal: query t sees a key at position p iff ``p <= past + t``.
+
+    Returns ``out`` [B, H, T, D] (query dtype; zeros for a query that sees no key),
+    ``lse`` [B, H, T] float32 (natural-log sum of exp(scaled logits); -inf when nothing is
+    seen) and ``page_probs`` [B, H, T, M] float32 (softmax mass on each listed page; sums to
+    1 over pages for every query that sees a key).
+    """
+    b, h, t, d = q.shape
+    _, kvh, p, _ = k_pool.shape
+    m = page_table.shape[1]
+    g = h // kvh
+    scale = d ** -0.5 if scale is None else scale
+    k = k_pool[page_table].permute(0, 2, 1, 3, 4).reshape(b, kvh, m * p, d).float()
+    v = v_pool[page_table].permute(0, 2, 1, 3, 4).reshape(b, kvh, m * p, d).float()
+    key_pos = (page_index.unsqueeze(-1) * p + torch.arange(p)).reshape(b, m * p)
+    valid = page_mask.repeat_interleave(p, dim=1) & (key_pos < seq_len.view(b, 1))
+    causal = key_pos.unsqueeze(1) <= (past.view(b, 1, 1) + torch.arange(t).view(1, t, 1))
+    allowed = (valid.unsqueeze(1) & causal).view(b, 1, 1, t, m * p)
+    logits = torch.einsum("bkgtd,bksd->bkgts", q.float().view(b, kvh, g, t, d), k) * scale
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    probs = torch.exp(logits - lse.unsqueeze(-1)).nan_to_num(0.0)  # rows with nothing seen: -inf - -inf
+    out = torch.einsum("bkgts,bksd->bkgtd", probs, v).reshape(b, h, t, d).to(q.dtype)
+    page_probs = probs.view(b, kvh, g, t, m, p).sum(-1).reshape(b, h, t, m)
+    return out, lse.reshape(b, h, t), page_probs
+
+
+def merge_attention(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Combine attention computed over disjoint key blocks: out = sum_i w_i * out_i with
+    w_i = exp(lse_i - lse) and lse = logsumexp_i(lse_i). Returns (out, lse, weights);
+    ``page_probs_i * weights_i.unsqueeze(-1)`` rescales each block's page masses."""
+    stacked = torch.stack(lses)  # [N, B, H, T]
+    lse = torch.logsumexp(stacked, dim=0)
+    weights = torch.exp(stacked - lse).nan_to_num(0.0)
+    out = sum(w.unsqueeze(-1) * o.float() for w, o in zip(weights, outs)).to(outs[0].dtype)
+    return out, lse, list(weights)

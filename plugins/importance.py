@@ -1,0 +1,89 @@
+"""ImportanceScore — reference semantics (float32, readable).
+
+Per page of a sequence, a score in [0, 1] mixing three signals (weights default to the
+design note's 0.4 / 0.3 / 0.3):
+
+* **query relevance** — how much attention the *current* query can pay to the page.
+  The design note's sketch projected Q alone, which cannot see the keys; here relevance
+  is a Quest-style upper bound of q·k over the page from per-page element-wise min/max
+  key summaries (kept on the device; 2·D values per kv head and page), turned into an
+  estimated attention share with a softmax over pages (log page length added), max over
+  query heads, then divided by the largest page's share so the best page scores 1;
+* **position** — a learned value per log-spaced distance bucket (any context length),
+  initialized with a cosine anneal from 1 (recent) to 0 (far);
+* **saliency** — a learned per-page value in [0, 1] from a small MLP over the keys,
+  computed once per token when the key is written (see runtime.tiered.scorer).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: distances below this many tokens share bucket 0; bucket i >= 1 covers [2^(i-1), 2^i) * EXACT_TOKENS
+EXACT_TOKENS = 16
+
+
+def distance_bucket(distance: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """Log-spaced bucket of a non-negative token distance: 0 for d < 16, then one bucket
+    per doubling, the last bucket open-ended."""
+    d = distance.clamp(min=0).float()
+    b = torch.floor(torch.log2(d.clamp(min=EXACT_TOKENS) / EXACT_TOKENS)) + 1
+    b = torch.where(d < EXACT_TOKENS, torch.zeros_like(b), b)
+    return b.clamp(max=num_buckets - 1).long()
+
+
+def cosine_position_init(num_buckets: int) -> torch.Tensor:
+    """Cosine anneal from 1 (bucket 0) to 0 (last bucket)."""
+    i = torch.arange(num_buckets, dtype=torch.float32)
+    return 0.5 * (1 + torch.cos(math.pi * i / max(1, num_buckets - 1)))
+
+
+def position_value(distance: torch.Tensor, position_table: torch.Tensor) -> torch.Tensor:
+    """The learned position signal in [0, 1] for token distances (any shape)."""
+    return position_table[distance_bucket(distance, position_table.shape[0])].clamp(0.0, 1.0)
+
+
+def quest_upper_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Upper bound of q·k over the keys of each page.
+
+    q [B, H, D]; kmin, kmax [B, M, KVH, D] (element-wise min / max of the page's keys).
+    Returns [B, H, M]: sum_d max(q_d * kmin_d, q_d * kmax_d) for the page's kv head.
+    """
+    b, h, d = q.shape
+    kvh = kmin.shape[2]
+    # max(q*lo, q*hi) = relu(q)*hi - relu(-q)*lo element-wise: two batched matmuls
+    qg = q.float().view(b, kvh, h // kvh, d)
+    lo = kmin.float().permute(0, 2, 3, 1)  # [B, KVH, D, M]
+    hi = kmax.float().permute(0, 2, 3, 1)
+    return (torch.relu(qg) @ hi - torch.relu(-qg) @ lo).reshape(b, h, -1)
+
+def relevance(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_tokens: torch.Tensor,
+              page_mask: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    """Estimated attention share of each page for the current query, normalized so the
+    best page is 1. Returns [B, M] (0 where ``page_mask`` is False)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    ub = quest_upper_bound(q, kmin, kmax) * scale + torch.log(page_tokens.float().clamp(min=1)).unsqueeze(1)
+    ub = ub.masked_fill(~page_mask.unsqueeze(1), float("-inf"))
+    share = torch.softmax(ub, dim=-1).nan_to_num(0.0).amax(dim=1)  # [B, M]
+    return share / share.amax(dim=-1, keepdim=True).clamp(min=1e-30)
+
+
+def importance_score(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_tokens: torch.Tensor,
+                     distance: torch.Tensor, saliency: torch.Tensor, page_mask: torch.Tensor,
+                     position_table: torch.Tensor, weights: tuple[float, float, float], *,
+                     scale: float | None = None) -> torch.Tensor:
+    """The mixed importance score [B, M] in [0, 1] (0 where ``page_mask`` is False).
+
+    q [B, H, D] — the query the step attends with (the last new token's);
+    kmin, kmax [B, M, KVH, D]; page_tokens [B, M] — tokens written in the page;
+    distance [B, M] — query position minus the page's last token position;
+    saliency [B, M] in [0, 1]; page_mask [B, M] bool; position_table [NB];
+    weights (relevance, position, saliency), non-negative, summing to 1.
+    """
+    w_rel, w_pos, w_sal = weights
+    rel = relevance(q, kmin, kmax, page_tokens, page_mask, scale=scale) if w_rel else torch.zeros_like(saliency)
+    pos = position_value(distance, position_table)
+    score = w_rel * rel + w_pos * pos + w_sal * saliency.float()
+    return torch.where(page_mask, score, torch.zeros_like(score))

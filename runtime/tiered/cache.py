@@ -1,0 +1,232 @@
+"""TieredKVCache: the KV cache of DESIGN.md's decode step.
+
+Per layer and step (``attend``):
+  1. the new tokens' K/V are written into their page on the device (T0), and the page's
+     min/max key summary and saliency are updated;
+  2. *decode step* (one new token): ImportanceScore scores every page of the sequence
+     from the device-resident summaries; the step attends to T0 plus the top pages by
+     score within the attention budget. A selected page that is not resident is a miss:
+     ``exact`` streams it through the staging area before use, ``masked`` skips it;
+     *prefill chunk* (several new tokens): exact attention over every page, streaming
+     the non-resident ones through the staging area;
+  3. TieredAttention computes the output over page blocks (resident pages, then staging
+     blocks) merged by log-sum-exp, and the attention mass of every attended page.
+Between steps the TierManager updates statistics, migrates and admits pages.
+
+With an unlimited device budget (or the ``full`` policy) and no attention budget every
+page is resident and attended: the output equals the paged cache's.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tieredkv.models.cache import KVCache, KVSpec, Step
+from tieredkv.plugins.attention import merge_attention, tiered_attention
+from tieredkv.runtime.tiered.config import TieredKVConfig, resolve_budgets
+from tieredkv.runtime.tiered.manager import StepAccess, TierManager
+from tieredkv.runtime.tiered.metrics import TierMetrics
+from tieredkv.runtime.tiered.policies import make_policy
+from tieredkv.runtime.tiered.scorer import ImportanceScorer
+
+
+class TieredKVCache(KVCache):
+    def __init__(self, spec: KVSpec, config: TieredKVConfig | None = None, *, full_tokens: int | None = None,
+                 num_sequences: int = 1, scorer: ImportanceScorer | None = None, device: str = "cpu",
+                 recorder=None) -> None:
+        self.spec = spec
+        self.config = config = config or TieredKVConfig()
+        self.budgets = resolve_budgets(config, num_layers=spec.num_layers,
+                                       token_bytes_per_layer=spec.token_bytes_per_layer,
+                                       full_tokens=full_tokens, num_sequences=num_sequences)
+        self.policy = make_policy(config.policy, lfu_importance_weights=config.lfu_importance_weights)
+        self.scorer = scorer or ImportanceScorer.for_model(spec.num_layers, spec.head_dim, path=config.scorer_weights,
+                                                           weights=config.score_weights)
+        self.scorer.weights = config.score_weights
+        self.mgr = TierManager(num_layers=spec.num_layers, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                               dtype=spec.dtype, config=config, budgets=self.budgets, policy=self.policy,
+                               device=device)
+        self.recorder = recorder
+        self._next_id = 0
+        self._access: StepAccess | None = None
+        self._step_ctx: list[dict] = []
+
+    # ------------------------------------------------------------------ sequences
+    @property
+    def metrics(self) -> TierMetrics:
+        return self.mgr.metrics
+
+    def add_sequence(self) -> int:
+        sid = self._next_id
+        self._next_id += 1
+        self.mgr.add_sequence(sid)
+        return sid
+
+    def free_sequence(self, seq_id: int) -> None:
+        self.mgr.free_sequence(seq_id)
+        self.mgr._account()
+
+    def length(self, seq_id: int) -> int:
+        return self.mgr.seq_len[seq_id]
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        self.mgr.truncate(seq_id, length)
+
+    def checkpoint(self, seq_id: int):
+        return self.mgr.checkpoint()
+
+    def rollback(self, seq_id: int, state) -> None:
+        self.mgr.rollback(state)
+
+    def kv_bytes(self) -> int:
+        """Device-resident K/V bytes (T0 + T1 + T2)."""
+        return self.mgr.resident_bytes()
+
+    def max_step_tokens(self) -> int | None:
+        """The most new tokens one step may bring while residency stays within the
+        device budget (new pages must fit next to T0 of the other sequences)."""
+        cap = self.mgr.resident_cap
+        if cap is None:
+            return None
+        return max(1, (cap - self.config.t0_pages * max(1, len(self.mgr.seq_pages))) * self.config.page_size)
+
+    # ------------------------------------------------------------------ steps
+    def begin_step(self, seq_ids, num_new: int) -> Step:
+        step = super().begin_step(seq_ids, num_new)
+        mgr = self.mgr
+        mgr.begin_step(step.seq_ids, num_new)
+        L, R = mgr.L, mgr.R
+        self._access = StepAccess(
+            needed=torch.zeros(L, R, dtype=torch.bool), missing=torch.zeros(L, R, dtype=torch.bool),
+            streamed=torch.zeros(L, R, dtype=torch.bool), mass=torch.zeros(L, R),
+            importance=torch.zeros(L, R), scored=torch.zeros(L, R, dtype=torch.bool))
+        P = self.config.page_size
+        self._step_ctx = []
+        for sid, past in zip(step.seq_ids, step.past):
+            recs = mgr.records_of(sid)
+            n = past + num_new
+            pos = torch.arange(past, n)
+            self._step_ctx.append({
+                "recs": recs,
+                "t0": mgr.rec_t0[recs],
+                "write_recs": recs[pos // P],
+                "write_off": pos % P,
+                "index": mgr.rec_index[recs],
+                "tokens": mgr.rec_tokens[recs],
+                "distance": (n - 1) - (mgr.rec_index[recs] * P + mgr.rec_tokens[recs] - 1),
+                "seq_len": torch.tensor([n]),
+                "past": torch.tensor([past]),
+            })
+        return step
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        mgr = self.mgr
+        recs = torch.cat([c["write_recs"] for c in self._step_ctx])
+        offs = torch.cat([c["write_off"] for c in self._step_ctx])
+        kt = k.transpose(1, 2).reshape(-1, *k.shape[1:2], k.shape[-1])  # [B*T, KVH, D] in (b, t) order
+        vt = v.transpose(1, 2).reshape(-1, *v.shape[1:2], v.shape[-1])
+        slots = mgr.dev_slot[layer, recs]
+        mgr.device.k[layer, slots, :, offs] = kt.to(mgr.device.dtype)
+        mgr.device.v[layer, slots, :, offs] = vt.to(mgr.device.dtype)
+        kf = kt.float()
+        mgr.kmin[layer].index_reduce_(0, recs, kf, "amin")
+        mgr.kmax[layer].index_reduce_(0, recs, kf, "amax")
+        mgr.sal_sum[layer].index_add_(0, recs, self.scorer.token_saliency(layer, kt))
+
+    def _attend_blocks(self, layer: int, q: torch.Tensor, recs: torch.Tensor, resident: torch.Tensor,
+                       ctx: dict, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of q [1, H, T, D] over pages ``recs``: resident ones from the device
+        pool, the others streamed through staging blocks; returns (out, mass per page)."""
+        mgr = self.mgr
+        outs, lses, probs, order = [], [], [], []
+        res = resident.nonzero().flatten()
+        if len(res):
+            r = recs[res]
+            o, lse, pp = tiered_attention(q, mgr.device.k[layer], mgr.device.v[layer],
+                                          mgr.dev_slot[layer, r].unsqueeze(0), torch.ones(1, len(r), dtype=torch.bool),
+                                          index[res].unsqueeze(0), ctx["seq_len"], ctx["past"])
+            outs.append(o), lses.append(lse), probs.append(pp), order.append(res)
+        miss = (~resident).nonzero().flatten()
+        block = max(1, mgr.staging_pages) if mgr.staging_pages else max(1, len(miss))
+        for chunk in miss.split(block):
+            kp, vp = mgr.stream(layer, recs[chunk])
+            o, lse, pp = tiered_attention(q, kp, vp, torch.arange(len(chunk)).unsqueeze(0),
+                                          torch.ones(1, len(chunk), dtype=torch.bool), index[chunk].unsqueeze(0),
+                                          ctx["seq_len"], ctx["past"])
+            outs.append(o), lses.append(lse), probs.append(pp), order.append(chunk)
+        out, _, weights = merge_attention(outs, lses)
+        mass = torch.zeros(len(recs))
+        for pp, w, idx in zip(probs, weights, order):
+            mass[idx] = (pp * w.unsqueeze(-1)).mean(1).sum(1)[0]  # mean over heads, sum over queries
+        return out, mass
+
+    def attend(self, step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        mgr, acc = self.mgr, self._access
+        self._write(layer, k, v)
+        decode = step.num_new == 1
+        outs = []
+        for b, ctx in enumerate(self._step_ctx):
+            recs, t0 = ctx["recs"], ctx["t0"]
+            t_score = time.perf_counter()
+            sal = mgr.sal_sum[layer, recs] / ctx["tokens"].clamp(min=1)
+            rel, pos = self.scorer.components(layer, q[b : b + 1, :, -1], mgr.kmin[layer, recs].unsqueeze(0),
+                                              mgr.kmax[layer, recs].unsqueeze(0), ctx["tokens"].unsqueeze(0),
+                                              ctx["distance"].unsqueeze(0))
+            rel, pos = rel[0], pos[0]
+            score = self.scorer.mix(rel, pos, sal)
+            t_sel = time.perf_counter()
+            resident = mgr.dev_slot[layer, recs] >= 0
+            if decode:
+                selected = self._select(score, t0)
+                need = selected & ~t0
+                acc.needed[layer, recs] = need
+                acc.missing[layer, recs] = need & ~resident
+                attended = selected if self.config.mode == "exact" else selected & resident
+                mgr.metrics.masked += int((selected & ~attended).sum())
+            else:
+                attended = torch.ones_like(t0)
+            t_att = time.perf_counter()
+            sub = attended.nonzero().flatten()
+            out, mass = self._attend_blocks(layer, q[b : b + 1], recs[sub], resident[sub], ctx, ctx["index"][sub])
+            acc.streamed[layer, recs[sub]] = ~resident[sub]
+            acc.mass[layer, recs[sub]] = mass
+            acc.importance[layer, recs] = self._observed_importance(rel, pos, sal, attended, mass)
+            acc.scored[layer, recs] = True
+            outs.append(out)
+            t_end = time.perf_counter()
+            m = mgr.metrics
+            m.scorer_seconds += t_sel - t_score
+            m.select_seconds += t_att - t_sel
+            m.attention_seconds += t_end - t_att
+        return torch.cat(outs, dim=0)
+
+    def _select(self, score: torch.Tensor, t0: torch.Tensor) -> torch.Tensor:
+        budget = self.budgets.attention_pages
+        n = len(score)
+        if budget is None or budget >= n:
+            return torch.ones(n, dtype=torch.bool)
+        extra = budget - int(t0.sum())
+        selected = t0.clone()
+        if extra > 0:
+            top = torch.topk(score.masked_fill(t0, float("-inf")), min(extra, n - int(t0.sum()))).indices
+            selected[top] = True
+        return selected
+
+    def _observed_importance(self, rel: torch.Tensor, pos: torch.Tensor, sal: torch.Tensor,
+                             attended: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+        """The importance kept between steps: relevance is the observed attention share
+        for attended pages (normalized so the top page is 1), the estimate for the others."""
+        if attended.any():
+            obs = torch.zeros_like(rel)
+            obs[attended] = mass / mass.max().clamp(min=1e-30)
+            rel = torch.where(attended, obs, rel)
+        return self.scorer.mix(rel, pos, sal)
+
+    def end_step(self, step: Step) -> None:
+        decode = step.num_new == 1
+        if self.recorder is not None:
+            self.recorder.record(self, step, self._access, decode=decode)
+        self.mgr.end_step(self._access, decode=decode)
+        self._access = None

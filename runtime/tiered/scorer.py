@@ -1,0 +1,101 @@
+"""The importance scorer's learned parts and their weights file.
+
+Per layer: a position table over log-spaced distance buckets (initialized with a cosine
+anneal) and a small MLP over keys (D -> hidden -> 1, sigmoid) giving each token a
+saliency; a page's saliency is the running mean of its tokens'. Untrained, the MLP's
+output layer is zero, so saliency is a neutral 0.5 everywhere. ``tools/train_scorer.py``
+fits both to predict future attention mass from real SmolLM2 traces; the result ships in
+``runtime/tiered/weights/`` and is picked up by shape.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tieredkv.errors import ConfigError, CorruptCheckpointError
+from tieredkv.plugins.importance import cosine_position_init, position_value, relevance
+
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+
+
+class ImportanceScorer(nn.Module):
+    def __init__(self, num_layers: int, head_dim: int, *, num_buckets: int = 16, hidden: int = 32,
+                 weights: tuple[float, float, float] = (0.4, 0.3, 0.3)) -> None:
+        super().__init__()
+        self.num_layers, self.head_dim, self.num_buckets, self.hidden = num_layers, head_dim, num_buckets, hidden
+        self.weights = tuple(weights)
+        self.position = nn.Parameter(cosine_position_init(num_buckets).repeat(num_layers, 1))
+        gen = torch.Generator().manual_seed(0)
+        self.w1 = nn.Parameter(torch.randn(num_layers, head_dim, hidden, generator=gen) / head_dim ** 0.5)
+        self.b1 = nn.Parameter(torch.zeros(num_layers, hidden))
+        self.w2 = nn.Parameter(torch.zeros(num_layers, hidden))
+        self.b2 = nn.Parameter(torch.zeros(num_layers))
+        self.source = "untrained (cosine position init, neutral saliency)"
+
+    # ------------------------------------------------------------------ signals
+    def token_saliency(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """k [..., KVH, D] -> saliency [...] in [0, 1] (mean over kv heads)."""
+        h = torch.relu(k.float() @ self.w1[layer] + self.b1[layer])
+        return torch.sigmoid(h @ self.w2[layer] + self.b2[layer]).mean(-1)
+
+    def components(self, layer: int, q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                   page_tokens: torch.Tensor, distance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(relevance, position) [B, M] of every page (see tieredkv.plugins.importance)."""
+        mask = torch.ones(page_tokens.shape, dtype=torch.bool)
+        rel = relevance(q, kmin, kmax, page_tokens, mask) if self.weights[0] else torch.zeros(page_tokens.shape)
+        return rel, position_value(distance, self.position[layer])
+
+    def mix(self, rel: torch.Tensor, pos: torch.Tensor, sal: torch.Tensor) -> torch.Tensor:
+        w_rel, w_pos, w_sal = self.weights
+        return w_rel * rel + w_pos * pos + w_sal * sal
+
+    # ------------------------------------------------------------------ file
+    def save(self, path: str | Path, meta: dict | None = None) -> Path:
+        from safetensors.torch import save_file
+
+        info = {"num_layers": self.num_layers, "head_dim": self.head_dim, "num_buckets": self.num_buckets,
+                "hidden": self.hidden, **(meta or {})}
+        save_file({k: v.detach().contiguous() for k, v in self.state_dict().items()}, str(path),
+                  metadata={"tieredkv_scorer": json.dumps(info)})
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | Path, *, weights: tuple[float, float, float] = (0.4, 0.3, 0.3)) -> "ImportanceScorer":
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: scorer weights file not found")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                info = json.loads((f.metadata() or {})["tieredkv_scorer"])
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except (KeyError, json.JSONDecodeError, OSError, RuntimeError) as exc:
+            raise CorruptCheckpointError(f"{path}: not a tieredkv scorer weights file ({exc})") from exc
+        scorer = cls(info["num_layers"], info["head_dim"], num_buckets=info["num_buckets"], hidden=info["hidden"],
+                     weights=weights)
+        scorer.load_state_dict(tensors)
+        scorer.source = str(path)
+        scorer.meta = info
+        return scorer.requires_grad_(False)
+
+    @classmethod
+    def for_model(cls, num_layers: int, head_dim: int, *, path: str | Path | None = None,
+                  weights: tuple[float, float, float] = (0.4, 0.3, 0.3)) -> "ImportanceScorer":
+        """The scorer for a model shape: ``path`` if given, else a packaged weights file
+        whose shape matches, else an untrained scorer."""
+        if path is not None:
+            scorer = cls.load(path, weights=weights)
+            if (scorer.num_layers, scorer.head_dim) != (num_layers, head_dim):
+                raise ConfigError(f"{path}: scorer for {scorer.num_layers} layers x head dim {scorer.head_dim}; the "
+                                  f"model has {num_layers} x {head_dim}")
+            return scorer
+        for f in sorted(WEIGHTS_DIR.glob("*.safetensors")):
+            scorer = cls.load(f, weights=weights)
+            if (scorer.num_layers, scorer.head_dim) == (num_layers, head_dim):
+                return scorer
+        return cls(num_layers, head_dim, weights=weights).requires_grad_(False)

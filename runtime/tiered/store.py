@@ -1,0 +1,153 @@
+"""Page storage of one tier for all layers, with vectorized slot allocation.
+
+* device and host tiers: torch tensors k, v [L, C, KVH, P, D] (the host pool is pinned
+  when CUDA is present; on a machine without a GPU both live in host memory and the
+  device tier is a budget);
+* disk tier (T4): a numpy memory-mapped file laid out slot-major [C, L, 2, KVH, P, D],
+  so that growing it appends to the file.
+
+``owner[l, c]`` is the page record stored in slot c of layer l, or -1 when free.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def _rank_within_groups(groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each element, its rank among the elements of the same group (in input order),
+    and the count per group."""
+    counts = torch.bincount(groups, minlength=num_groups)
+    order = torch.argsort(groups, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(groups)
+    rank[order] = torch.arange(len(groups)) - starts[groups[order]]
+    return rank, counts
+
+
+class TierPool:
+    def __init__(self, name: str, num_layers: int, kv_heads: int, page_size: int, head_dim: int,
+                 dtype: torch.dtype, capacity: int | None, *, device: str = "cpu", pin: bool = False,
+                 initial: int = 16) -> None:
+        self.name, self.num_layers = name, num_layers
+        self.page_shape = (kv_heads, page_size, head_dim)
+        self.dtype, self.device, self.pin = dtype, device, pin
+        self.max_capacity = capacity
+        cap = capacity if capacity is not None else initial
+        self.k = self._new(cap)
+        self.v = self._new(cap)
+        self.owner = torch.full((num_layers, cap), -1, dtype=torch.long)
+        self.element_size = self.k.element_size()
+
+    def _new(self, cap: int) -> torch.Tensor:
+        t = torch.zeros((self.num_layers, cap, *self.page_shape), dtype=self.dtype, device=self.device)
+        return t.pin_memory() if self.pin and torch.cuda.is_available() else t
+
+    @property
+    def capacity(self) -> int:
+        return self.owner.shape[1]
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of K plus V of one page in one layer."""
+        return 2 * int(np.prod(self.page_shape)) * self.element_size
+
+    def used(self) -> torch.Tensor:
+        """Owned slots per layer [L]."""
+        return (self.owner >= 0).sum(1)
+
+    def free(self) -> torch.Tensor:
+        return self.capacity - self.used()
+
+    def _grow(self, needed: int) -> None:
+        new = self.capacity
+        while new < needed:
+            new *= 2
+        if self.max_capacity is not None:
+            new = min(new, self.max_capacity)
+        extra = new - self.capacity
+        pad = self._new(extra)
+        self.k = torch.cat([self.k, pad], dim=1)
+        self.v = torch.cat([self.v, pad.clone()], dim=1)
+        self.owner = torch.cat([self.owner, torch.full((self.num_layers, extra), -1, dtype=torch.long)], dim=1)
+
+    def alloc(self, layers: torch.Tensor, records: torch.Tensor) -> torch.Tensor | None:
+        """Slots for (layer, record) pairs, all or none: None when a layer lacks room."""
+        if len(layers) == 0:
+            return torch.empty(0, dtype=torch.long)
+        rank, need = _rank_within_groups(layers, self.num_layers)
+        short = need > self.free()
+        if short.any():
+            if self.max_capacity is not None and int((self.used() + need).max()) > self.max_capacity:
+                return None
+            self._grow(int((self.used() + need).max()))
+        free_first = torch.argsort((self.owner >= 0).to(torch.int8), dim=1, stable=True)
+        slots = free_first[layers, rank]
+        self.owner[layers, slots] = records
+        return slots
+
+    def release(self, layers: torch.Tensor, slots: torch.Tensor) -> None:
+        self.owner[layers, slots] = -1
+
+    def read(self, layers: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layers, slots], self.v[layers, slots]
+
+    def write(self, layers: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layers, slots] = k.to(self.k.device, self.dtype)
+        self.v[layers, slots] = v.to(self.v.device, self.dtype)
+
+
+class DiskPool(TierPool):
+    """T4: pages in a memory-mapped file, slot-major so the file grows by appending."""
+
+    def __init__(self, path: str | Path, num_layers: int, kv_heads: int, page_size: int, head_dim: int,
+                 dtype: torch.dtype, *, initial: int = 64) -> None:
+        self.name, self.num_layers = "T4", num_layers
+        self.page_shape = (kv_heads, page_size, head_dim)
+        self.dtype, self.max_capacity = dtype, None
+        self.np_dtype = torch.empty(0, dtype=dtype).numpy().dtype if dtype != torch.bfloat16 else np.uint16
+        self.element_size = torch.empty(0, dtype=dtype).element_size()
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.owner = torch.full((num_layers, 0), -1, dtype=torch.long)
+        self.mm = None
+        self._grow(initial)
+
+    def _grow(self, needed: int) -> None:
+        new = max(needed, 2 * self.capacity, 1)
+        shape = (new, self.num_layers, 2, *self.page_shape)
+        nbytes = int(np.prod(shape)) * np.dtype(self.np_dtype).itemsize
+        if self.mm is not None:
+            self.mm.flush()
+            del self.mm
+        with open(self.path, "ab") as fh:
+            fh.truncate(nbytes)
+        self.mm = np.memmap(self.path, dtype=self.np_dtype, mode="r+", shape=shape)
+        extra = new - self.capacity
+        self.owner = torch.cat([self.owner, torch.full((self.num_layers, extra), -1, dtype=torch.long)], dim=1)
+
+    def _to_torch(self, arr: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(arr))
+        return t.view(torch.bfloat16) if self.dtype == torch.bfloat16 else t
+
+    def read(self, layers: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        data = self.mm[slots.numpy(), layers.numpy()]  # [N, 2, KVH, P, D]
+        return self._to_torch(data[:, 0]), self._to_torch(data[:, 1])
+
+    def write(self, layers: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        def as_np(t: torch.Tensor) -> np.ndarray:
+            t = t.detach().to("cpu", self.dtype).contiguous()
+            return (t.view(torch.uint16) if self.dtype == torch.bfloat16 else t).numpy()
+
+        self.mm[slots.numpy(), layers.numpy(), 0] = as_np(k)
+        self.mm[slots.numpy(), layers.numpy(), 1] = as_np(v)
+
+    def close(self) -> None:
+        if self.mm is not None:
+            self.mm.flush()
+            del self.mm
+            self.mm = None
+        self.path.unlink(missing_ok=True)
