@@ -171,7 +171,7 @@ def init_random_weights(model: Llama, seed: int = 0, std: float = 0.02) -> Llama
     return model
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def prefill(model: Llama, cache: KVCache, seq_id: int, tokens: torch.Tensor, *, start_pos: int = 0,
             chunk_size: int = 512, all_logits: bool = False) -> torch.Tensor:
     """Feed ``tokens`` [T] of one sequence in chunks of ``chunk_size`` (or smaller, when
@@ -193,7 +193,7 @@ def prefill(model: Llama, cache: KVCache, seq_id: int, tokens: torch.Tensor, *, 
     return torch.cat(outs, dim=0) if all_logits else outs[-1][-1]
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def decode_one_token(model: Llama, cache: KVCache, seq_ids: list[int], tokens: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
     """One new token per sequence: tokens, positions [B]. Returns logits [B, vocab]."""

@@ -114,7 +114,7 @@ def validate_prompts(prompts: Sequence[Sequence[int]], context: int) -> None:
             )
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def generate(model: Llama, cache: KVCache, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
              tokenizer: Tokenizer | None = None, on_token: Callable[[TokenEvent], bool | None] | None = None,
              prefill_chunk: int = 512, stats: GenerationStats | None = None) -> list[Completion]:

@@ -7,6 +7,7 @@ from typing import Callable, Sequence
 import torch
 
 from tieredkv.errors import ConfigError
+from tieredkv.models.cache import KVCache
 from tieredkv.models.hub import resolve_model
 from tieredkv.models.llama import Llama
 from tieredkv.models.loading import load_checkpoint
@@ -14,6 +15,8 @@ from tieredkv.models.tokenizer import Tokenizer
 from tieredkv.runtime.generate import Completion, GenerationStats, TokenEvent, generate
 from tieredkv.runtime.paged import PagedCacheConfig, PagedKVCache
 from tieredkv.runtime.sampling import SamplingParams
+from tieredkv.runtime.tiered.cache import TieredKVCache
+from tieredkv.runtime.tiered.config import TieredKVConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,32 +36,42 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "float32", cache: PagedCacheConfig | None = None,
-                 prefill_chunk: int = 512, log: Callable[[str], None] | None = None) -> None:
+                 kv: TieredKVConfig | None = None, prefill_chunk: int = 512,
+                 log: Callable[[str], None] | None = None) -> None:
         path = resolve_model(model, log=log)
         loaded = load_checkpoint(path, dtype=parse_dtype(dtype))
-        self._init(loaded.model, loaded.tokenizer, cache, prefill_chunk)
+        self._init(loaded.model, loaded.tokenizer, cache, kv, prefill_chunk)
         self.source = path
 
     @classmethod
     def from_model(cls, model: Llama, tokenizer: Tokenizer | None = None, *, cache: PagedCacheConfig | None = None,
-                   prefill_chunk: int = 512) -> "LLM":
+                   kv: TieredKVConfig | None = None, prefill_chunk: int = 512) -> "LLM":
         self = cls.__new__(cls)
-        self._init(model, tokenizer, cache, prefill_chunk)
+        self._init(model, tokenizer, cache, kv, prefill_chunk)
         self.source = None
         return self
 
     def _init(self, model: Llama, tokenizer: Tokenizer | None, cache: PagedCacheConfig | None,
-              prefill_chunk: int) -> None:
+              kv: TieredKVConfig | None, prefill_chunk: int) -> None:
         if prefill_chunk <= 0:
             raise ConfigError(f"prefill_chunk must be a positive integer, got {prefill_chunk}")
+        if cache is not None and kv is not None:
+            raise ConfigError("give either cache (a plain paged cache) or kv (the tiered cache), not both")
         self.model, self.tokenizer = model, tokenizer
         self.config = model.config
         self.cache_config = cache or PagedCacheConfig()
+        self.kv_config = kv
         self.prefill_chunk = prefill_chunk
         self.last_stats = GenerationStats()
+        self.last_cache: KVCache | None = None
 
-    def new_cache(self) -> PagedKVCache:
-        return PagedKVCache(self.model.kv_spec(), self.cache_config)
+    def new_cache(self, *, full_tokens: int | None = None, num_sequences: int = 1) -> KVCache:
+        """A plain paged cache, or the tiered cache when ``kv`` was given (percent budgets
+        resolve against ``full_tokens`` per sequence)."""
+        if self.kv_config is None:
+            return PagedKVCache(self.model.kv_spec(), self.cache_config)
+        return TieredKVCache(self.model.kv_spec(), self.kv_config, full_tokens=full_tokens,
+                             num_sequences=num_sequences)
 
     def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
         if self.tokenizer is None:
@@ -75,6 +88,9 @@ class LLM:
         if isinstance(prompts, str):
             prompts = [prompts]
         ids = [self.encode(p, chat=chat) if isinstance(p, str) else list(p) for p in prompts]
+        params = params or SamplingParams()
         self.last_stats = GenerationStats()
-        return generate(self.model, self.new_cache(), ids, params or SamplingParams(), tokenizer=self.tokenizer,
+        full = max(len(p) for p in ids) + params.max_new_tokens if ids else None
+        self.last_cache = self.new_cache(full_tokens=full, num_sequences=len(ids))
+        return generate(self.model, self.last_cache, ids, params, tokenizer=self.tokenizer,
                         on_token=on_token, prefill_chunk=self.prefill_chunk, stats=self.last_stats)

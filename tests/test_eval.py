@@ -23,7 +23,7 @@ def tiny(tmp_path_factory):
 
 def method(model, chunk=256, name="full"):
     spec = model.kv_spec()
-    return CacheMethod(model, lambda: PagedKVCache(spec, PagedCacheConfig(page_size=8)), name=name,
+    return CacheMethod(model, lambda total: PagedKVCache(spec, PagedCacheConfig(page_size=8)), name=name,
                        prefill_chunk=32, teacher_forcing_chunk=chunk)
 
 

@@ -88,17 +88,12 @@ def test_stop_string_and_streaming(tiny_llm):
 
 
 def test_cancel_mid_generation_frees_pages(tiny_llm):
-    caches = []
-    orig = tiny_llm.new_cache
-    tiny_llm.new_cache = lambda: caches.append(orig()) or caches[-1]
-    try:
-        out = tiny_llm.generate(PROMPTS, SamplingParams(max_new_tokens=30, ignore_eos=True),
-                                on_token=lambda e: False if e.index == 1 else None)
-    finally:
-        tiny_llm.new_cache = orig
+    out = tiny_llm.generate(PROMPTS, SamplingParams(max_new_tokens=30, ignore_eos=True),
+                            on_token=lambda e: False if e.index == 1 else None)
     assert out[1].finish_reason == "cancelled" and len(out[1].token_ids) == 1
     assert out[0].finish_reason == "length" and len(out[0].token_ids) == 30
-    assert caches[0].pages_in_use() == 0 and caches[0].sequences == []
+    cache = tiny_llm.last_cache
+    assert cache.pages_in_use() == 0 and cache.sequences == []
 
 
 def test_context_limit(tiny_llm):

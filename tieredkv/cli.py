@@ -8,6 +8,7 @@ of stdout is one JSON object with the figures. Errors tieredkv anticipates print
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -48,6 +49,34 @@ def _load_model(args: argparse.Namespace):
     return loaded
 
 
+def _add_kv_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tiered KV cache (any of these switches from the plain paged cache to the tiered one)")
+    g.add_argument("--kv-budget", default=None,
+                   help="device-resident KV budget: '25%%' of the full cache, bytes ('64MiB') or tokens (2048)")
+    g.add_argument("--attention-budget", default=None,
+                   help="pages one decode step attends to, same units (default: what fits in the device budget)")
+    g.add_argument("--policy", default=None, help="replacement policy (default lfu-importance); see docs/tiers.md")
+    g.add_argument("--mode", default=None, choices=["exact", "masked"],
+                   help="exact: fetch a needed non-resident page before use; masked: skip it and count the miss")
+    g.add_argument("--kv-config", default=None, help="TieredKVConfig as TOML or YAML; flags override its values")
+    g.add_argument("--stats", action="store_true", help="print the tier metrics (and include them in --json)")
+
+
+def _kv_config(args: argparse.Namespace):
+    """The TieredKVConfig the flags ask for, or None for the plain paged cache."""
+    from tieredkv.runtime.tiered.config import TieredKVConfig
+
+    flags = {"device_budget": args.kv_budget, "attention_budget": args.attention_budget, "policy": args.policy,
+             "mode": args.mode}
+    if args.kv_config is None and not args.stats and all(v is None for v in flags.values()):
+        return None
+    base = TieredKVConfig.from_file(args.kv_config) if args.kv_config else TieredKVConfig()
+    overrides = {k: v for k, v in flags.items() if v is not None}
+    if args.page_size is not None:
+        overrides["page_size"] = args.page_size
+    return base.replace(**overrides)
+
+
 def _need_tokenizer(loaded) -> None:
     from tieredkv.errors import UnsupportedModelError
 
@@ -63,10 +92,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()))
-    cache_cfg = PagedCacheConfig(page_size=args.page_size)
+    kv = _kv_config(args)
+    cache_cfg = None if kv else PagedCacheConfig(page_size=args.page_size or 16)
     loaded = _load_model(args)
     _need_tokenizer(loaded)
-    llm = LLM.from_model(loaded.model, loaded.tokenizer, cache=cache_cfg, prefill_chunk=args.prefill_chunk)
+    llm = LLM.from_model(loaded.model, loaded.tokenizer, cache=cache_cfg, kv=kv, prefill_chunk=args.prefill_chunk)
     prompts = args.prompt
     stream = len(prompts) == 1 and not args.no_stream
 
@@ -83,9 +113,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"--- [{c.index}] ({c.finish_reason})\n{c.text}")
     st = llm.last_stats
     kv_tok = loaded.model.kv_spec().token_bytes_per_layer * loaded.config.num_layers
+    page_size = kv.page_size if kv else cache_cfg.page_size
     _log(f"prefill: {st.prompt_tokens} tokens, {st.prefill_tok_s:.1f} tok/s | decode: {st.decode_tokens} tokens, "
          f"{st.decode_tok_s:.1f} tok/s | KV: {st.kv_bytes_peak / 2**20:.2f} MiB peak "
-         f"({kv_tok} B/token, page size {cache_cfg.page_size})")
+         f"({kv_tok} B/token, page size {page_size})")
+    tier = llm.last_cache.metrics if kv else None
+    if tier is not None and args.stats:
+        _log(tier.format())
     if args.json:
         _emit_json({
             "command": "generate", "model": str(loaded.source),
@@ -93,6 +127,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                              "prompt_tokens": len(c.prompt_token_ids)} for c in completions],
             "text": completions[0].text, "kv_bytes": st.kv_bytes_peak, "kv_bytes_per_token": kv_tok,
             **st.to_dict(),
+            **({"kv_config": dataclasses.asdict(kv), "tier_metrics": tier.to_dict()} if kv else {}),
         })
     return 0
 
@@ -152,12 +187,16 @@ def cmd_model_list(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------ eval
-def _full_cache_method(loaded, args):
-    from tieredkv.runtime.eval.harness import CacheMethod
+def _eval_method(loaded, args):
+    """The plain paged cache, or the tiered cache when any tiered flag is given."""
+    from tieredkv.runtime.eval.harness import CacheMethod, tiered_method
     from tieredkv.runtime.paged import PagedCacheConfig, PagedKVCache
 
-    spec, cfg = loaded.model.kv_spec(), PagedCacheConfig(page_size=args.page_size)
-    return CacheMethod(loaded.model, lambda: PagedKVCache(spec, cfg), name="full", prefill_chunk=args.prefill_chunk)
+    kv = _kv_config(args)
+    if kv is not None:
+        return tiered_method(loaded.model, kv, prefill_chunk=args.prefill_chunk)
+    spec, cfg = loaded.model.kv_spec(), PagedCacheConfig(page_size=args.page_size or 16)
+    return CacheMethod(loaded.model, lambda total: PagedKVCache(spec, cfg), name="full", prefill_chunk=args.prefill_chunk)
 
 
 def cmd_eval_perplexity(args: argparse.Namespace) -> int:
@@ -167,8 +206,11 @@ def cmd_eval_perplexity(args: argparse.Namespace) -> int:
     loaded = _load_model(args)
     _need_tokenizer(loaded)
     ids = loaded.tokenizer.encode(load_text(args.text_file, log=_log), add_bos=False)
-    res = perplexity(_full_cache_method(loaded, args), ids, window=args.window, max_windows=args.max_windows,
+    method = _eval_method(loaded, args)
+    res = perplexity(method, ids, window=args.window, max_windows=args.max_windows,
                      context_fraction=args.context_fraction)
+    if args.stats and res.stats:
+        _log(json.dumps(res.stats))
     _log(f"perplexity {res.perplexity:.4f} over {res.tokens_scored} tokens in {res.windows} window(s) of "
          f"{res.window} ({res.seconds:.1f}s)")
     if args.json:
@@ -191,8 +233,11 @@ def cmd_eval_passkey(args: argparse.Namespace) -> int:
         raise ContextLengthError(f"--context {args.context} does not fit the model context of "
                                  f"{loaded.config.max_position_embeddings} tokens (answer tokens need room too)")
     hay = loaded.tokenizer.encode(load_text(args.haystack_file, log=_log), add_bos=False)
-    res = passkey(_full_cache_method(loaded, args), loaded.tokenizer, hay, context=args.context, trials=args.trials,
+    method = _eval_method(loaded, args)
+    res = passkey(method, loaded.tokenizer, hay, context=args.context, trials=args.trials,
                   seed=args.seed)
+    if args.stats and res.stats:
+        _log(json.dumps(res.stats))
     _log(f"passkey@{res.context}: accuracy {res.accuracy:.2f} ({sum(r.correct for r in res.results)}/{res.trials}), "
          f"mean log-prob of the key {res.mean_logprob:.3f} nats ({res.seconds:.1f}s)")
     if args.json:
@@ -228,10 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--page-size", type=_positive_int, default=16, help="KV page size in tokens (default 16)")
+    g.add_argument("--page-size", type=_positive_int, default=None, help="KV page size in tokens (default 16)")
     g.add_argument("--prefill-chunk", type=_positive_int, default=512)
     g.add_argument("--no-stream", action="store_true", help="print the completion at the end only")
     g.add_argument("--json", action="store_true", help="last stdout line: one JSON object with the figures")
+    _add_kv_args(g)
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="model config, parameter count, KV bytes per token")
@@ -259,9 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--context-fraction", type=float, default=0.0,
                     help="fraction of each window given as context and not scored (0 = plain perplexity; "
                          "the KV-budget protocol uses 0.75)")
-    ep.add_argument("--page-size", type=_positive_int, default=16)
+    ep.add_argument("--page-size", type=_positive_int, default=None, help="KV page size in tokens (default 16)")
     ep.add_argument("--prefill-chunk", type=_positive_int, default=512)
     ep.add_argument("--json", action="store_true")
+    _add_kv_args(ep)
     ep.set_defaults(func=cmd_eval_perplexity)
     ek = esub.add_parser("passkey", help="passkey retrieval at evenly spread depths")
     _add_model_args(ek)
@@ -269,9 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     ek.add_argument("--trials", type=_positive_int, default=5)
     ek.add_argument("--haystack-file", default=None, help="UTF-8 text file (default: the Paul Graham essays)")
     ek.add_argument("--seed", type=int, default=0)
-    ek.add_argument("--page-size", type=_positive_int, default=16)
+    ek.add_argument("--page-size", type=_positive_int, default=None, help="KV page size in tokens (default 16)")
     ek.add_argument("--prefill-chunk", type=_positive_int, default=512)
     ek.add_argument("--json", action="store_true")
+    _add_kv_args(ek)
     ek.set_defaults(func=cmd_eval_passkey)
     return parser
 

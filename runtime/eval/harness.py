@@ -39,8 +39,10 @@ class EvalMethod(abc.ABC):
     name: str = "method"
 
     @abc.abstractmethod
-    def open(self, context: Sequence[int]) -> EvalSession:
-        """Prefill ``context`` (and compress it, for methods that do)."""
+    def open(self, context: Sequence[int], *, total_tokens: int | None = None) -> EvalSession:
+        """Prefill ``context`` (and compress it, for methods that do). ``total_tokens``: how
+        long the sequence will get (context + what is scored or generated after it);
+        methods with percentage budgets size themselves from it."""
 
     def describe(self) -> dict[str, Any]:
         """Name, budget and anything else a results row should carry."""
@@ -59,9 +61,9 @@ def token_logprobs(prev_logits: torch.Tensor, logits: torch.Tensor, targets: Seq
 
 
 class _CacheSession(EvalSession):
-    def __init__(self, method: "CacheMethod", context: Sequence[int]) -> None:
+    def __init__(self, method: "CacheMethod", context: Sequence[int], total_tokens: int | None) -> None:
         self.m = method
-        self.cache = method.cache_factory()
+        self.cache = method.cache_factory(total_tokens or len(context))
         self.sid = self.cache.add_sequence()
         self.context_len = len(context)
         self.last_logits = prefill(method.model, self.cache, self.sid, torch.as_tensor(list(context)),
@@ -77,7 +79,7 @@ class _CacheSession(EvalSession):
         self.cache.rollback(self.sid, self.saved)
         return token_logprobs(self.last_logits, logits, continuation)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def greedy(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
         logits = self._feed(prompt, chunk=self.m.teacher_forcing_chunk)[-1] if prompt else self.last_logits
         out: list[int] = []
@@ -97,10 +99,14 @@ class _CacheSession(EvalSession):
 
     def close(self) -> None:
         self.cache.free_sequence(self.sid)
+        metrics = getattr(self.cache, "metrics", None)
+        if metrics is not None:
+            self.m.collect(metrics)
 
 
 class CacheMethod(EvalMethod):
-    """tieredkv's reference model over any :class:`KVCache` built by ``cache_factory``.
+    """tieredkv's reference model over any :class:`KVCache` built by
+    ``cache_factory(total_tokens)``.
 
     ``teacher_forcing_chunk``: continuation tokens fed per forward call while scoring.
     Causal attention makes a chunk of n teacher-forced tokens identical to n decode
@@ -109,14 +115,43 @@ class CacheMethod(EvalMethod):
     use 1.
     """
 
-    def __init__(self, model: Llama, cache_factory: Callable[[], KVCache], *, name: str = "full",
+    def __init__(self, model: Llama, cache_factory: Callable[[int], KVCache], *, name: str = "full",
                  prefill_chunk: int = 512, teacher_forcing_chunk: int = 256, info: dict | None = None) -> None:
         self.model, self.cache_factory, self.name = model, cache_factory, name
         self.prefill_chunk, self.teacher_forcing_chunk = prefill_chunk, teacher_forcing_chunk
         self.info = info or {}
+        self.totals = None  # merged cache metrics of all sessions (caches that keep metrics)
+        self.sessions = 0
 
-    def open(self, context: Sequence[int]) -> EvalSession:
-        return _CacheSession(self, context)
+    def collect(self, metrics) -> None:
+        self.sessions += 1
+        if self.totals is None:
+            self.totals = type(metrics)()
+        self.totals.merge(metrics)
+
+    def stats(self) -> dict[str, Any]:
+        if self.totals is None:
+            return {}
+        return {"sessions": self.sessions, **self.totals.to_dict()}
+
+    def open(self, context: Sequence[int], *, total_tokens: int | None = None) -> EvalSession:
+        session = _CacheSession(self, context, total_tokens)
+        self.last_cache = session.cache
+        return session
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.name, **self.info}
+
+
+def tiered_method(model: Llama, config, *, name: str | None = None, prefill_chunk: int = 512) -> CacheMethod:
+    """tieredkv's tiered cache as an evaluated method. Percentage budgets resolve against
+    each session's total tokens; continuations are fed one token per step (the tiered
+    cache selects and evicts per decode step)."""
+    from tieredkv.runtime.tiered.cache import TieredKVCache
+
+    spec = model.kv_spec()
+    label = name or f"tieredkv-{config.policy}-{config.mode}"
+    info = {"budget": str(config.device_budget or "100%"), "policy": config.policy, "mode": config.mode,
+            "attention_budget": str(config.attention_budget or "device")}
+    return CacheMethod(model, lambda total: TieredKVCache(spec, config, full_tokens=total), name=label,
+                       prefill_chunk=prefill_chunk, teacher_forcing_chunk=1, info=info)

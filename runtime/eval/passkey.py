@@ -115,7 +115,7 @@ def passkey(method: EvalMethod, tokenizer: Tokenizer, haystack: Sequence[int], *
         key = str(rng.randint(10000, 99999))
         prompt = build_prompt(tokenizer, haystack, context=context, depth=depth, key=key,
                               offset=rng.randrange(1 << 30))
-        session = method.open(prompt.context)
+        session = method.open(prompt.context, total_tokens=context + len(prompt.answer) + 4)
         try:
             lp = session.logprobs(prompt.question + prompt.answer)[len(prompt.question):]
             gen = session.greedy(prompt.question, max_new_tokens=len(prompt.answer) + 4)

@@ -63,7 +63,7 @@ def perplexity(method: EvalMethod, ids: Sequence[int], *, window: int, max_windo
     t0 = time.perf_counter()
     bar = tqdm(windows, desc=f"perplexity[{method.name}]", unit="window", disable=not progress, leave=False)
     for w in bar:
-        session = method.open(w[:ctx])
+        session = method.open(w[:ctx], total_tokens=len(w))
         try:
             lp = session.logprobs(w[ctx:])
         finally:

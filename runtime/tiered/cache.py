@@ -24,7 +24,7 @@ import time
 import torch
 
 from tieredkv.models.cache import KVCache, KVSpec, Step
-from tieredkv.plugins.attention import merge_attention, tiered_attention
+from tieredkv.plugins.attention import tiered_attention
 from tieredkv.runtime.tiered.config import TieredKVConfig, resolve_budgets
 from tieredkv.runtime.tiered.manager import StepAccess, TierManager
 from tieredkv.runtime.tiered.metrics import TierMetrics
@@ -135,31 +135,28 @@ class TieredKVCache(KVCache):
         mgr.kmax[layer].index_reduce_(0, recs, kf, "amax")
         mgr.sal_sum[layer].index_add_(0, recs, self.scorer.token_saliency(layer, kt))
 
-    def _attend_blocks(self, layer: int, q: torch.Tensor, recs: torch.Tensor, resident: torch.Tensor,
-                       ctx: dict, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of q [1, H, T, D] over pages ``recs``: resident ones from the device
-        pool, the others streamed through staging blocks; returns (out, mass per page)."""
+    def _attend_pages(self, layer: int, q: torch.Tensor, recs: torch.Tensor, resident: torch.Tensor,
+                      ctx: dict, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of q [1, H, T, D] over pages ``recs``: resident ones read from the device
+        pool, the others streamed through the staging area (``ceil(n / staging_pages)``
+        rounds of at most ``staging_pages`` pages, counted in the metrics). On the GPU the
+        kernel processes each round as a block and merges blocks by log-sum-exp
+        (``merge_attention``); on the CPU the rounds are gathered into one call, which is
+        the same arithmetic. Returns (out, mass per page)."""
         mgr = self.mgr
-        outs, lses, probs, order = [], [], [], []
-        res = resident.nonzero().flatten()
-        if len(res):
-            r = recs[res]
-            o, lse, pp = tiered_attention(q, mgr.device.k[layer], mgr.device.v[layer],
-                                          mgr.dev_slot[layer, r].unsqueeze(0), torch.ones(1, len(r), dtype=torch.bool),
-                                          index[res].unsqueeze(0), ctx["seq_len"], ctx["past"])
-            outs.append(o), lses.append(lse), probs.append(pp), order.append(res)
-        miss = (~resident).nonzero().flatten()
-        block = max(1, mgr.staging_pages) if mgr.staging_pages else max(1, len(miss))
-        for chunk in miss.split(block):
-            kp, vp = mgr.stream(layer, recs[chunk])
-            o, lse, pp = tiered_attention(q, kp, vp, torch.arange(len(chunk)).unsqueeze(0),
-                                          torch.ones(1, len(chunk), dtype=torch.bool), index[chunk].unsqueeze(0),
-                                          ctx["seq_len"], ctx["past"])
-            outs.append(o), lses.append(lse), probs.append(pp), order.append(chunk)
-        out, _, weights = merge_attention(outs, lses)
-        mass = torch.zeros(len(recs))
-        for pp, w, idx in zip(probs, weights, order):
-            mass[idx] = (pp * w.unsqueeze(-1)).mean(1).sum(1)[0]  # mean over heads, sum over queries
+        res, miss = resident.nonzero().flatten(), (~resident).nonzero().flatten()
+        k_res = mgr.device.k[layer, mgr.dev_slot[layer, recs[res]]]
+        v_res = mgr.device.v[layer, mgr.dev_slot[layer, recs[res]]]
+        if len(miss):
+            k_str, v_str = mgr.stream(layer, recs[miss])
+            k_res, v_res = torch.cat([k_res, k_str]), torch.cat([v_res, v_str])
+        order = torch.cat([res, miss])
+        n = len(order)
+        out, _, probs = tiered_attention(q, k_res, v_res, torch.arange(n).unsqueeze(0),
+                                         torch.ones(1, n, dtype=torch.bool), index[order].unsqueeze(0),
+                                         ctx["seq_len"], ctx["past"])
+        mass = torch.empty(n)
+        mass[order] = probs.mean(1).sum(1)[0]  # mean over heads, sum over queries
         return out, mass
 
     def attend(self, step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -189,7 +186,7 @@ class TieredKVCache(KVCache):
                 attended = torch.ones_like(t0)
             t_att = time.perf_counter()
             sub = attended.nonzero().flatten()
-            out, mass = self._attend_blocks(layer, q[b : b + 1], recs[sub], resident[sub], ctx, ctx["index"][sub])
+            out, mass = self._attend_pages(layer, q[b : b + 1], recs[sub], resident[sub], ctx, ctx["index"][sub])
             acc.streamed[layer, recs[sub]] = ~resident[sub]
             acc.mass[layer, recs[sub]] = mass
             acc.importance[layer, recs] = self._observed_importance(rel, pos, sal, attended, mass)

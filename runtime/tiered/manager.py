@@ -233,6 +233,7 @@ class TierManager:
         """Copy non-resident pages of one layer into the staging area (for one step's attention)."""
         layers = torch.full_like(recs, layer)
         self.metrics.streamed_pages += len(recs)
+        self.metrics.staging_rounds += -(-len(recs) // max(1, self.staging_pages))
         return self._source_read(layers, recs)
 
     def _ensure_host_room(self, need: torch.Tensor, leaving: torch.Tensor) -> None:

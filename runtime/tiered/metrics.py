@@ -23,6 +23,7 @@ class TierMetrics:
     misses: int = 0
     masked: int = 0
     streamed_pages: int = 0  # pages copied into the staging area for one step (exact misses, prefill)
+    staging_rounds: int = 0  # staging-area fills those copies took (at most staging_pages pages each)
     fetched_pages: int = 0  # pages admitted to the device (host -> device)
     evicted_pages: int = 0  # pages that left the device
     writebacks: int = 0  # dirty pages written to the host on eviction

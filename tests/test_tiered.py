@@ -1,0 +1,253 @@
+"""The tiered KV cache: equality with the paged cache when nothing is limited, exactness
+when only residency is limited, budgets and accounting invariants under random work,
+bit-exact moves between tiers, trace replay, configuration errors."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from helpers import tiny_model
+from tieredkv.errors import ConfigError, DataFileError, KVCacheFullError
+from tieredkv.models.llama import prefill
+from tieredkv.runtime.generate import generate
+from tieredkv.runtime.paged import PagedKVCache
+from tieredkv.runtime.sampling import SamplingParams
+from tieredkv.runtime.tiered.cache import TieredKVCache
+from tieredkv.runtime.tiered.config import Budget, TieredKVConfig, resolve_budgets
+from tieredkv.runtime.tiered.policies import POLICIES
+from tieredkv.runtime.tiered.trace import TraceRecorder, replay
+
+LIVE_POLICIES = sorted(n for n, p in POLICIES.items() if not p.needs_trace)
+SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2)
+MODEL = tiny_model(seed=3)
+PROMPTS = [list(range(5, 205)), list(range(300, 333))]
+
+
+def run(cache, prompts=PROMPTS, n=24):
+    return generate(MODEL, cache, prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))
+
+
+REF = [c.token_ids for c in run(PagedKVCache(MODEL.kv_spec()))]
+
+
+@pytest.mark.parametrize("policy", LIVE_POLICIES)
+def test_unlimited_budget_equals_paged_cache(policy):
+    cache = TieredKVCache(MODEL.kv_spec(), TieredKVConfig(policy=policy, **SMALL))
+    assert [c.token_ids for c in run(cache)] == REF
+    assert cache.metrics.misses == 0 and cache.metrics.bytes_h2d == 0
+
+
+def test_unlimited_budget_logits_match_paged():
+    tokens = torch.randint(0, 512, (150,), generator=torch.Generator().manual_seed(2))
+    paged, tiered = PagedKVCache(MODEL.kv_spec()), TieredKVCache(MODEL.kv_spec(), TieredKVConfig(**SMALL))
+    a = prefill(MODEL, paged, paged.add_sequence(), tokens, chunk_size=40, all_logits=True)
+    b = prefill(MODEL, tiered, tiered.add_sequence(), tokens, chunk_size=40, all_logits=True)
+    assert (a - b).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("policy", LIVE_POLICIES)
+@pytest.mark.parametrize("budget", ["25%", "40%"])
+def test_exact_mode_loses_nothing(policy, budget):
+    """Residency limited, attention unlimited, exact mode: demoted pages are streamed back
+    when needed, so the output equals the full cache while residency stays in budget."""
+    cfg = TieredKVConfig(policy=policy, device_budget=budget, attention_budget=10**6, **SMALL)
+    cache = TieredKVCache(MODEL.kv_spec(), cfg, full_tokens=224, num_sequences=2)
+    assert [c.token_ids for c in run(cache)] == REF
+    m = cache.metrics
+    if policy != "full":
+        cap_bytes = cache.budgets.resident_pages * cache.mgr.page_bytes * MODEL.config.num_layers
+        assert 0 < m.resident_bytes_max <= cap_bytes
+        assert m.streamed_pages > 0 and m.bytes_h2d > 0 and m.writebacks > 0
+    cache.mgr.check_invariants()
+
+
+def test_masked_mode_counts_skips():
+    cfg = TieredKVConfig(policy="streaming", mode="masked", device_budget="30%", **SMALL)
+    cache = TieredKVCache(MODEL.kv_spec(), cfg, full_tokens=224)
+    run(cache, PROMPTS[:1])
+    m = cache.metrics
+    assert m.masked == m.misses > 0 and m.streamed_pages > 0  # prefill streams, decode skips
+
+
+def test_chunked_prefill_stays_within_the_budget():
+    cfg = TieredKVConfig(policy="lru", device_budget=96, **SMALL)  # 96 tokens = 12 pages per layer
+    cache = TieredKVCache(MODEL.kv_spec(), cfg)
+    sid = cache.add_sequence()
+    prefill(MODEL, cache, sid, torch.arange(400) % 500, chunk_size=512)
+    cap = cache.budgets.resident_pages * cache.mgr.page_bytes * MODEL.config.num_layers
+    assert cache.metrics.prefill_steps > 1  # the cache limited the chunk size
+    assert max(cache.metrics.resident_bytes_trace) <= cap
+    assert cache.length(sid) == 400
+    cache.mgr.check_invariants()
+
+
+def test_tier_moves_are_bit_exact(tmp_path):
+    """Pages written on the device, evicted to host, spilled to disk and fetched back
+    come back bit-identical. Layer 0's keys and values do not depend on attention, so the
+    paged cache's copy of the same prompt is the reference."""
+    cfg = TieredKVConfig(policy="lru", device_budget=96, host_budget=64, disk_path=str(tmp_path / "t4.bin"),
+                         **SMALL)
+    cache = TieredKVCache(MODEL.kv_spec(), cfg)
+    sid = cache.add_sequence()
+    prefill(MODEL, cache, sid, torch.arange(300) % 500, chunk_size=64)
+    paged = PagedKVCache(MODEL.kv_spec())
+    pid = paged.add_sequence()
+    prefill(MODEL, paged, pid, torch.arange(300) % 500, chunk_size=64)
+    mgr = cache.mgr
+    assert mgr.metrics.spilled_pages > 0 and mgr.tier_counts()["T4"] > 0
+    for layer in [0]:
+        recs = mgr.records_of(sid)
+        full_pages = recs[:-1]
+        k, v = [], []
+        for r in full_pages.tolist():
+            lr = torch.tensor([layer]), torch.tensor([r])
+            if mgr.dev_slot[layer, r] >= 0:
+                kk, vv = mgr.device.read(lr[0], mgr.dev_slot[lr])
+            else:
+                kk, vv = mgr._source_read(*lr)
+            k.append(kk[0]), v.append(vv[0])
+        pk, pv, _ = paged.gather(layer, [pid])
+        n = len(full_pages) * cfg.page_size
+        assert torch.equal(torch.stack(k).permute(1, 0, 2, 3).reshape(pk.shape[1], n, -1), pk[0, :, :n])
+        assert torch.equal(torch.stack(v).permute(1, 0, 2, 3).reshape(pv.shape[1], n, -1), pv[0, :, :n])
+    mgr.check_invariants()
+    cache.free_sequence(sid)
+    assert mgr.device.used().sum() == 0 and mgr.host.used().sum() == 0 and mgr.disk.used().sum() == 0
+
+
+def test_host_overflow_without_disk_is_a_typed_error():
+    with pytest.raises(ConfigError, match="disk_path"):
+        resolve_budgets(TieredKVConfig(device_budget=96, host_budget=64, **SMALL), num_layers=2,
+                        token_bytes_per_layer=64, full_tokens=400)
+
+
+@pytest.mark.parametrize("policy", LIVE_POLICIES)
+@pytest.mark.parametrize("mode", ["exact", "masked"])
+def test_trace_replay_equals_live_run(policy, mode):
+    cfg = TieredKVConfig(policy=policy, mode=mode, device_budget="30%", attention_budget="20%", **SMALL)
+    rec = TraceRecorder()
+    cache = TieredKVCache(MODEL.kv_spec(), cfg, full_tokens=260, recorder=rec)
+    run(cache, [list(range(7, 237))], n=30)
+    sim = replay(rec.trace, cfg, token_bytes_per_layer=MODEL.kv_spec().token_bytes_per_layer, full_tokens=260)
+    for key in ("hits", "misses", "masked", "streamed_pages", "fetched_pages", "evicted_pages", "writebacks",
+                "bytes_h2d", "bytes_d2h", "demotions", "promotions"):
+        assert getattr(sim, key) == getattr(cache.metrics, key), key
+
+
+def test_belady_is_an_upper_bound():
+    cfg = TieredKVConfig(device_budget="30%", attention_budget="25%", **SMALL)
+    rec = TraceRecorder()
+    run(TieredKVCache(MODEL.kv_spec(), cfg, full_tokens=300, recorder=rec), [list(range(7, 257))], n=40)
+    rates = {p: replay(rec.trace, cfg.replace(policy=p), token_bytes_per_layer=64, full_tokens=300).hit_rate
+             for p in sorted(POLICIES) if p != "full"}
+    assert all(rates["belady"] >= r - 1e-9 for r in rates.values()), rates
+
+
+# ----------------------------------------------------------------------------- invariants under random work
+work = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 90)),
+    st.tuples(st.just("decode"), st.integers(1, 6)),
+    st.tuples(st.just("free"), st.integers(0, 5)),
+    st.tuples(st.just("cancel"), st.integers(0, 5)),
+), min_size=1, max_size=10)
+
+
+@settings(max_examples=25, deadline=None)
+@given(ops=work, policy=st.sampled_from(LIVE_POLICIES), mode=st.sampled_from(["exact", "masked"]),
+       budget=st.sampled_from([None, 160, 240]), attention=st.sampled_from([None, 48, 10**6]))
+def test_property_invariants(ops, policy, mode, budget, attention):
+    """Random add / decode / free / cancel: after every step no page is lost or duplicated,
+    capacities hold, accounting balances; freed sequences return every slot and record."""
+    cfg = TieredKVConfig(policy=policy, mode=mode, device_budget=budget, attention_budget=attention, **SMALL)
+    try:
+        cache = TieredKVCache(MODEL.kv_spec(), cfg, num_sequences=2)
+    except ConfigError:
+        return  # attention budget below T0: rejected up front, as it should be
+    live: list[tuple[int, int]] = []  # (seq id, next position)
+    gen = torch.Generator().manual_seed(0)
+    for op in ops:
+        if op[0] == "add" and len(live) < 2:
+            sid = cache.add_sequence()
+            try:
+                prefill(MODEL, cache, sid, torch.randint(0, 512, (op[1],), generator=gen), chunk_size=32)
+            except KVCacheFullError:
+                cache.free_sequence(sid)
+                continue
+            live.append((sid, op[1]))
+        elif op[0] == "decode" and live:
+            for _ in range(op[1]):
+                ids = [s for s, _ in live]
+                pos = torch.tensor([p for _, p in live])
+                try:
+                    MODEL(torch.randint(0, 512, (len(ids), 1), generator=gen), pos.view(-1, 1), cache, ids)
+                except KVCacheFullError:
+                    break
+                live = [(s, p + 1) for s, p in live]
+                cache.mgr.check_invariants()
+        elif op[0] in ("free", "cancel") and live:
+            sid, _ = live.pop(op[1] % len(live))
+            cache.free_sequence(sid)
+        cache.mgr.check_invariants()
+        m = cache.metrics
+        if cache.mgr.resident_cap is not None:
+            cap = cache.mgr.resident_cap * cache.mgr.page_bytes * MODEL.config.num_layers
+            assert m.resident_bytes_max <= cap
+    for sid, _ in live:
+        cache.free_sequence(sid)
+    mgr = cache.mgr
+    assert int(mgr.device.used().sum()) == 0 and int(mgr.host.used().sum()) == 0
+    assert len(mgr.free_records) == mgr.R and not mgr.alive.any()
+
+
+# ----------------------------------------------------------------------------- configuration
+@pytest.mark.parametrize("text,kind,value", [("25%", "percent", 0.25), ("64MiB", "bytes", 64 * 2**20),
+                                              ("1.5GB", "bytes", 1.5e9), ("2048", "tokens", 2048),
+                                              (2048, "tokens", 2048), ("512tok", "tokens", 512)])
+def test_budget_parsing(text, kind, value):
+    b = Budget.parse(text)
+    assert (b.kind, b.value) == (kind, value)
+
+
+@pytest.mark.parametrize("bad", ["-5%", "abc", "150%", "0", "12 parsecs"])
+def test_bad_budgets(bad):
+    with pytest.raises(ConfigError, match="device_budget"):
+        TieredKVConfig(device_budget=bad)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(policy="fifo"), "unknown policy 'fifo'"),
+    (dict(mode="lazy"), "mode must be one of"),
+    (dict(promote_score=1.5), "promote_score"),
+    (dict(demote_score=0.8, promote_score=0.7), "demote_score"),
+    (dict(score_weights=(0.5, 0.5, 0.5)), "score_weights"),
+    (dict(page_size=0), "page_size"),
+    (dict(recent_tokens=-1), "recent_tokens"),
+])
+def test_bad_config_values(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        TieredKVConfig(**bad)
+
+
+def test_budget_too_small_for_the_hot_window():
+    with pytest.raises(ConfigError, match="too small to hold the hot window"):
+        TieredKVCache(MODEL.kv_spec(), TieredKVConfig(device_budget="5%", **SMALL), full_tokens=400)
+    with pytest.raises(ConfigError, match="needs the size of the full cache"):
+        TieredKVCache(MODEL.kv_spec(), TieredKVConfig(device_budget="25%", **SMALL))
+
+
+def test_config_files(tmp_path):
+    toml = tmp_path / "kv.toml"
+    toml.write_text('[tiered_kv]\ndevice_budget = "25%"\npolicy = "h2o"\nscore_weights = [0.5, 0.25, 0.25]\n')
+    cfg = TieredKVConfig.from_file(toml)
+    assert cfg.policy == "h2o" and cfg.score_weights == (0.5, 0.25, 0.25)
+    yml = tmp_path / "kv.yaml"
+    yml.write_text("mode: masked\nattention_budget: 1024\n")
+    assert TieredKVConfig.from_file(yml).mode == "masked"
+    yml.write_text("mode: masked\nbudget: 3\n")
+    with pytest.raises(ConfigError, match="unknown keys \\['budget'\\]"):
+        TieredKVConfig.from_file(yml)
+    yml.write_text("policy: nope\n")
+    with pytest.raises(ConfigError, match=str(yml)):
+        TieredKVConfig.from_file(yml)
+    with pytest.raises(DataFileError):
+        TieredKVConfig.from_file(tmp_path / "missing.toml")
