@@ -14,7 +14,8 @@ import torch
 
 def tiered_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
                      page_mask: torch.Tensor, page_index: torch.Tensor, seq_len: torch.Tensor, past: torch.Tensor,
-                     *, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     *, scale: float | None = None, with_lse: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Paged attention with a residency/selection mask.
 
     Shapes and layout (B sequences, H query heads, KVH kv heads, T new queries per sequence,
@@ -31,8 +32,9 @@ def tiered_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 
     Returns ``out`` [B, H, T, D] (query dtype; zeros for a query that sees no key),
     ``lse`` [B, H, T] float32 (natural-log sum of exp(scaled logits); -inf when nothing is
-    seen) and ``page_probs`` [B, H, T, M] float32 (softmax mass on each listed page; sums to
-    1 over pages for every query that sees a key).
+    seen; an empty tensor with ``with_lse=False``, when no block merge follows) and
+    ``page_probs`` [B, H, T, M] float32 (softmax mass on each listed page; sums to 1 over
+    pages for every query that sees a key).
     """
     b, h, t, d = q.shape
     _, kvh, p, _ = k_pool.shape
@@ -46,12 +48,15 @@ def tiered_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     causal = key_pos.unsqueeze(1) <= (past.view(b, 1, 1) + torch.arange(t).view(1, t, 1))
     allowed = (valid.unsqueeze(1) & causal).view(b, 1, 1, t, m * p)
     logits = torch.einsum("bkgtd,bksd->bkgts", q.float().view(b, kvh, g, t, d), k) * scale
-    logits = logits.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)
-    probs = torch.exp(logits - lse.unsqueeze(-1)).nan_to_num(0.0)  # rows with nothing seen: -inf - -inf
+    logits.masked_fill_(~allowed, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    seen = allowed.any(-1)  # [B, 1, 1, T]: queries that see at least one key
+    if not bool(seen.all()):
+        probs = torch.where(seen.unsqueeze(-1), probs, torch.zeros_like(probs))  # softmax of all -inf is nan
+    lse = torch.logsumexp(logits, dim=-1) if with_lse else torch.empty(0)
     out = torch.einsum("bkgts,bksd->bkgtd", probs, v).reshape(b, h, t, d).to(q.dtype)
     page_probs = probs.view(b, kvh, g, t, m, p).sum(-1).reshape(b, h, t, m)
-    return out, lse.reshape(b, h, t), page_probs
+    return out, (lse.reshape(b, h, t) if with_lse else lse), page_probs
 
 
 def merge_attention(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:

@@ -251,3 +251,22 @@ def test_config_files(tmp_path):
         TieredKVConfig.from_file(yml)
     with pytest.raises(DataFileError):
         TieredKVConfig.from_file(tmp_path / "missing.toml")
+
+
+def test_exact_mode_output_does_not_depend_on_the_policy():
+    """Selection reads scores only, so with a limited attention budget every policy attends
+    the same pages in exact mode: identical logits; only the bytes moved differ."""
+    tokens = torch.randint(0, 512, (180,), generator=torch.Generator().manual_seed(4))
+    outs, moved = {}, {}
+    for policy in LIVE_POLICIES:
+        if policy == "full":
+            continue
+        cfg = TieredKVConfig(policy=policy, device_budget="30%", attention_budget="20%", **SMALL)
+        cache = TieredKVCache(MODEL.kv_spec(), cfg, full_tokens=200)
+        sid = cache.add_sequence()
+        prefill(MODEL, cache, sid, tokens[:150], chunk_size=64)
+        outs[policy] = prefill(MODEL, cache, sid, tokens[150:], start_pos=150, chunk_size=1, all_logits=True)
+        moved[policy] = cache.metrics.bytes_h2d
+    first = next(iter(outs.values()))
+    assert all(torch.equal(o, first) for o in outs.values())
+    assert len(set(moved.values())) > 1  # ... while the policies do move different pages

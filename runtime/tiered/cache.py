@@ -56,7 +56,7 @@ class TieredKVCache(KVCache):
     # ------------------------------------------------------------------ sequences
     @property
     def metrics(self) -> TierMetrics:
-        return self.mgr.metrics
+        return self.mgr.refresh_metrics()
 
     def add_sequence(self) -> int:
         sid = self._next_id
@@ -65,8 +65,8 @@ class TieredKVCache(KVCache):
         return sid
 
     def free_sequence(self, seq_id: int) -> None:
+        self.mgr.refresh_metrics()  # keep the last figures of the sequence's pages
         self.mgr.free_sequence(seq_id)
-        self.mgr._account()
 
     def length(self, seq_id: int) -> int:
         return self.mgr.seq_len[seq_id]
@@ -144,20 +144,17 @@ class TieredKVCache(KVCache):
         (``merge_attention``); on the CPU the rounds are gathered into one call, which is
         the same arithmetic. Returns (out, mass per page)."""
         mgr = self.mgr
-        res, miss = resident.nonzero().flatten(), (~resident).nonzero().flatten()
-        k_res = mgr.device.k[layer, mgr.dev_slot[layer, recs[res]]]
-        v_res = mgr.device.v[layer, mgr.dev_slot[layer, recs[res]]]
-        if len(miss):
-            k_str, v_str = mgr.stream(layer, recs[miss])
-            k_res, v_res = torch.cat([k_res, k_str]), torch.cat([v_res, v_str])
-        order = torch.cat([res, miss])
-        n = len(order)
-        out, _, probs = tiered_attention(q, k_res, v_res, torch.arange(n).unsqueeze(0),
-                                         torch.ones(1, n, dtype=torch.bool), index[order].unsqueeze(0),
-                                         ctx["seq_len"], ctx["past"])
-        mass = torch.empty(n)
-        mass[order] = probs.mean(1).sum(1)[0]  # mean over heads, sum over queries
-        return out, mass
+        n = len(recs)
+        k = torch.empty((n, *mgr.device.page_shape), dtype=mgr.device.dtype)
+        v = torch.empty_like(k)
+        slots = mgr.dev_slot[layer, recs[resident]]
+        k[resident], v[resident] = mgr.device.k[layer, slots], mgr.device.v[layer, slots]
+        if not bool(resident.all()):
+            k[~resident], v[~resident] = mgr.stream(layer, recs[~resident])
+        # pages stay in logical order whatever their residency: the arithmetic is identical
+        out, _, probs = tiered_attention(q, k, v, torch.arange(n).unsqueeze(0), torch.ones(1, n, dtype=torch.bool),
+                                         index.unsqueeze(0), ctx["seq_len"], ctx["past"], with_lse=False)
+        return out, probs.mean(1).sum(1)[0]  # mass per page: mean over heads, sum over queries
 
     def attend(self, step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         mgr, acc = self.mgr, self._access
@@ -168,9 +165,10 @@ class TieredKVCache(KVCache):
             recs, t0 = ctx["recs"], ctx["t0"]
             t_score = time.perf_counter()
             sal = mgr.sal_sum[layer, recs] / ctx["tokens"].clamp(min=1)
+            cand = ~t0 if not t0.all() else t0
             rel, pos = self.scorer.components(layer, q[b : b + 1, :, -1], mgr.kmin[layer, recs].unsqueeze(0),
                                               mgr.kmax[layer, recs].unsqueeze(0), ctx["tokens"].unsqueeze(0),
-                                              ctx["distance"].unsqueeze(0))
+                                              ctx["distance"].unsqueeze(0), cand.unsqueeze(0))
             rel, pos = rel[0], pos[0]
             score = self.scorer.mix(rel, pos, sal)
             t_sel = time.perf_counter()

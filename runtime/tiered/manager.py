@@ -315,12 +315,14 @@ class TierManager:
 
     def _lowest(self, cand: torch.Tensor, prio: torch.Tensor, counts: torch.Tensor):
         """The ``counts[l]`` lowest-priority candidates of each layer -> (layers, records)."""
-        if not counts.any():
+        counts = torch.minimum(counts, cand.sum(1))
+        k = int(counts.max()) if len(counts) else 0
+        if k == 0:
             return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
-        p = prio.masked_fill(~cand, INF)
-        order = torch.argsort(p, dim=1, stable=True)
-        take = torch.arange(self.R).unsqueeze(0) < torch.minimum(counts, cand.sum(1)).unsqueeze(1)
-        layers = torch.arange(self.L).unsqueeze(1).expand(-1, self.R)[take]
+        p = prio.float().masked_fill(~cand, INF)
+        order = torch.topk(p, k, dim=1, largest=False, sorted=True).indices  # [L, k]
+        take = torch.arange(k).unsqueeze(0) < counts.unsqueeze(1)
+        layers = torch.arange(self.L).unsqueeze(1).expand(-1, k)[take]
         return layers, order[take]
 
     def _candidates(self, protect: torch.Tensor | None) -> torch.Tensor:
@@ -366,8 +368,7 @@ class TierManager:
         elif want.any():
             layers, recs = want.nonzero(as_tuple=True)
             self.admit(layers, recs, already_streamed=access.streamed[layers, recs])
-        self._update_hot_keys()
-        self._account()
+        self._record_residency()
         m.manager_seconds += time.perf_counter() - t0
 
     def _highest(self, cand: torch.Tensor, prio: torch.Tensor, counts: torch.Tensor):
@@ -393,10 +394,11 @@ class TierManager:
             layers, recs = self._highest(promote, self.importance, room)
             self.admit(layers, recs)
             self.metrics.promotions += len(recs)
+        self._update_hot_keys()
         self.win_access.zero_()
 
     def _update_hot_keys(self) -> None:
-        """T1: up to ``hot_key_pages`` resident non-T0 pages per layer, the most frequently
+        """At a window boundary. T1: up to ``hot_key_pages`` resident non-T0 pages per layer, the most frequently
         accessed among those with >= promote_accesses accesses and score > promote_score;
         a T1 page idle too long or scoring below demote_score falls back to T2."""
         cap = self.budgets.hot_key_pages
@@ -427,15 +429,21 @@ class TierManager:
     def resident_bytes(self) -> int:
         return int(self.device.used().sum()) * self.page_bytes
 
-    def _account(self) -> None:
+    def _record_residency(self) -> None:
+        """Per step: the device-owned bytes (the resident-bytes-over-time series)."""
+        m = self.metrics
+        rb = self.resident_bytes()
+        m.resident_bytes_trace.append(rb)
+        m.resident_bytes_max = max(m.resident_bytes_max, rb)
+
+    def refresh_metrics(self) -> TierMetrics:
+        """Bring the point-in-time figures (pages and bytes per tier, summary bytes) up to date."""
         m = self.metrics
         counts = self.tier_counts()
         m.pages_per_tier = counts
         m.bytes_per_tier = {t: n * self.page_bytes for t, n in counts.items()}
-        rb = self.resident_bytes()
-        m.resident_bytes_trace.append(rb)
-        m.resident_bytes_max = max(m.resident_bytes_max, rb)
         m.summary_bytes = int(self.alive.sum()) * self.L * 2 * self.kv_heads * self.head_dim * 4
+        return m
 
     def check_invariants(self) -> None:
         """Raise AssertionError when an invariant (module docstring) does not hold."""

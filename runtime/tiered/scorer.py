@@ -43,10 +43,14 @@ class ImportanceScorer(nn.Module):
         return torch.sigmoid(h @ self.w2[layer] + self.b2[layer]).mean(-1)
 
     def components(self, layer: int, q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
-                   page_tokens: torch.Tensor, distance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(relevance, position) [B, M] of every page (see tieredkv.plugins.importance)."""
-        mask = torch.ones(page_tokens.shape, dtype=torch.bool)
-        rel = relevance(q, kmin, kmax, page_tokens, mask) if self.weights[0] else torch.zeros(page_tokens.shape)
+                   page_tokens: torch.Tensor, distance: torch.Tensor,
+                   candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(relevance, position) [B, M] of every page (see tieredkv.plugins.importance).
+        Relevance is the estimated share among ``candidates`` [B, M] (pages competing for
+        the attention budget: T0 is attended anyway, and its sink pages would otherwise
+        dominate the normalization); 0 for the others."""
+        rel = (relevance(q, kmin, kmax, page_tokens, candidates) if self.weights[0]
+               else torch.zeros(page_tokens.shape))
         return rel, position_value(distance, self.position[layer])
 
     def mix(self, rel: torch.Tensor, pos: torch.Tensor, sal: torch.Tensor) -> torch.Tensor:

@@ -84,8 +84,13 @@ class TierPool:
             if self.max_capacity is not None and int((self.used() + need).max()) > self.max_capacity:
                 return None
             self._grow(int((self.used() + need).max()))
-        free_first = torch.argsort((self.owner >= 0).to(torch.int8), dim=1, stable=True)
-        slots = free_first[layers, rank]
+        # the rank-th free slot of each layer, without sorting: number the free slots per row
+        free = self.owner < 0
+        fl, fc = free.nonzero(as_tuple=True)  # row-major: slots ascending within each layer
+        frank = torch.cumsum(free, dim=1)[fl, fc] - 1
+        by_rank = torch.full_like(self.owner, -1)
+        by_rank[fl, frank] = fc
+        slots = by_rank[layers, rank]
         self.owner[layers, slots] = records
         return slots
 

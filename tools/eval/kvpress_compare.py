@@ -291,8 +291,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="checkpoint path or known name (default: the default model)")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.125],
                    help="KV budgets, fractions of the context kept (default 0.5 0.25 0.125)")
-    p.add_argument("--presses", nargs="+", default=press_names(), choices=press_names(), metavar="PRESS",
-                   help=f"kvpress presses to run (default: all of {', '.join(press_names())})")
+    p.add_argument("--presses", nargs="*", default=press_names(), choices=press_names(), metavar="PRESS",
+                   help=f"kvpress presses to run (default: all of {', '.join(press_names())}; none: `--presses`)")
     p.add_argument("--no-tieredkv-rows", action="store_true", help="leave out TIEREDKV_ROWS (incl. the full cache)")
     p.add_argument("--rows-from", action="append", default=[], metavar="MODULE:ATTR",
                    help="extra rows: a list of Row (or a callable returning one); repeatable")

@@ -1,0 +1,47 @@
+"""tieredkv's tiered cache as rows of the kvpress comparison (``--rows-from tiered_rows:rows``).
+
+    python tools/eval/kvpress_compare.py --no-tieredkv-rows --presses --rows-from tiered_rows:rows ...
+
+Budget b of a row = the device-resident KV budget as a fraction of the full cache of the
+whole sequence (context + what is scored after it), held for the entire run; the
+attention budget defaults to what fits in it. kvpress keeps b of the *context* and then
+grows by every decoded token, so on the perplexity protocol (3/4 context, 1/4 scored)
+it holds between 0.75 b and 0.75 b + 0.25 of the full cache; on passkey the two
+definitions coincide (the continuation is a few tokens).
+
+In exact mode the pages a step attends to depend on the scores only, never on
+residency, so every replacement policy gives the same output (the test suite checks
+this); the policy changes only what moves between tiers. Exact mode is therefore one
+row; masked mode, where residency decides what is attended, is one row per policy.
+"""
+
+from __future__ import annotations
+
+import os
+
+from kvpress_compare import Row
+
+from tieredkv.runtime.eval.harness import tiered_method
+from tieredkv.runtime.tiered.config import TieredKVConfig
+
+MASKED_POLICIES = ("lru", "lfu", "lfu-importance", "h2o", "streaming")
+
+
+def _row(name: str, **cfg) -> Row:
+    def factory(model, budget: float):
+        config = TieredKVConfig(device_budget=f"{100 * budget:g}%", **cfg)
+        return tiered_method(model, config, name=name)
+
+    return Row(name, factory, backend="tieredkv")
+
+
+def rows() -> list[Row]:
+    """Exact mode (policy-independent quality) plus masked mode for every live policy.
+    ``TIEREDKV_ROWS_FILTER`` (comma-separated names) keeps a subset."""
+    out = [_row("tieredkv-exact", mode="exact", policy="lfu-importance")]
+    out += [_row(f"tieredkv-masked-{p}", mode="masked", policy=p) for p in MASKED_POLICIES]
+    keep = os.environ.get("TIEREDKV_ROWS_FILTER")
+    if keep:
+        names = set(keep.split(","))
+        out = [r for r in out if r.name in names]
+    return out
