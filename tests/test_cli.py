@@ -79,3 +79,31 @@ def test_prompt_too_long(tiny_gguf, capsys):
 def test_console_script_help():
     out = subprocess.run([sys.executable, "-m", "tieredkv.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "generate" in out.stdout and "eval" in out.stdout
+
+
+def test_generate_tiered_flags(tiny_gguf, tmp_path, capsys):
+    argv = ["generate", "--model", tiny_gguf, "--prompt", "the cat sat on the mat and the sun rose " * 30,
+            "--max-new-tokens", "8", "--kv-budget", "60%", "--policy", "h2o", "--mode", "masked",
+            "--page-size", "8", "--stats", "--json"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    d = json.loads(captured.out.strip().splitlines()[-1])
+    assert d["kv_config"]["policy"] == "h2o" and d["kv_config"]["page_size"] == 8
+    assert d["tier_metrics"]["decode_steps"] == d["decode_steps"] and "hit_rate" in d["tier_metrics"]
+    assert "hits" in captured.err  # --stats prints the metrics
+
+
+def test_kv_config_file_and_errors(tiny_gguf, tmp_path, capsys):
+    cfg = tmp_path / "kv.yaml"
+    cfg.write_text("policy: lru\nmode: exact\nrecent_tokens: 16\n")
+    text = tmp_path / "t.txt"
+    text.write_text("the sun rose over the sea and the cat sat on the mat. " * 60)
+    assert main(["eval", "perplexity", "--model", tiny_gguf, "--text-file", str(text), "--window", "512",
+                 "--max-windows", "1", "--context-fraction", "0.75", "--kv-config", str(cfg), "--kv-budget", "50%",
+                 "--json"]) == 0
+    d = last_json(capsys)
+    assert d["method"]["policy"] == "lru" and d["stats"]["decode_steps"] == 128
+    assert main(["generate", "--model", tiny_gguf, "--prompt", "x", "--policy", "fifo"]) == 2
+    assert "unknown policy 'fifo'" in capsys.readouterr().err
+    assert main(["generate", "--model", tiny_gguf, "--prompt", "x y z", "--kv-budget", "1%"]) == 2
+    assert "too small to hold the hot window" in capsys.readouterr().err

@@ -131,8 +131,9 @@ class TieredKVCache(KVCache):
         mgr.device.k[layer, slots, :, offs] = kt.to(mgr.device.dtype)
         mgr.device.v[layer, slots, :, offs] = vt.to(mgr.device.dtype)
         kf = kt.float()
-        mgr.kmin[layer].index_reduce_(0, recs, kf, "amin")
-        mgr.kmax[layer].index_reduce_(0, recs, kf, "amax")
+        idx = recs.view(-1, 1, 1).expand_as(kf)
+        mgr.kmin[layer].scatter_reduce_(0, idx, kf, "amin")
+        mgr.kmax[layer].scatter_reduce_(0, idx, kf, "amax")
         mgr.sal_sum[layer].index_add_(0, recs, self.scorer.token_saliency(layer, kt))
 
     def _attend_pages(self, layer: int, q: torch.Tensor, recs: torch.Tensor, resident: torch.Tensor,
