@@ -45,6 +45,7 @@ class TieredKVCache(KVCache):
         self.scorer = scorer or ImportanceScorer.for_model(spec.num_layers, spec.head_dim, path=config.scorer_weights,
                                                            weights=config.score_weights)
         self.scorer.weights = config.score_weights
+        self.selection_weights = config.selection_weights
         self.mgr = TierManager(num_layers=spec.num_layers, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                                dtype=spec.dtype, config=config, budgets=self.budgets, policy=self.policy,
                                device=device)
@@ -146,12 +147,20 @@ class TieredKVCache(KVCache):
         the same arithmetic. Returns (out, mass per page)."""
         mgr = self.mgr
         n = len(recs)
-        k = torch.empty((n, *mgr.device.page_shape), dtype=mgr.device.dtype)
-        v = torch.empty_like(k)
-        slots = mgr.dev_slot[layer, recs[resident]]
-        k[resident], v[resident] = mgr.device.k[layer, slots], mgr.device.v[layer, slots]
-        if not bool(resident.all()):
-            k[~resident], v[~resident] = mgr.stream(layer, recs[~resident])
+        res_idx = resident.nonzero().flatten()
+        slots = mgr.dev_slot[layer].index_select(0, recs.index_select(0, res_idx))
+        k_dev, v_dev = mgr.device.k[layer], mgr.device.v[layer]
+        if len(res_idx) == n:
+            k, v = k_dev.index_select(0, slots), v_dev.index_select(0, slots)
+        else:
+            k = torch.empty((n, *mgr.device.page_shape), dtype=mgr.device.dtype)
+            v = torch.empty_like(k)
+            k.index_copy_(0, res_idx, k_dev.index_select(0, slots))
+            v.index_copy_(0, res_idx, v_dev.index_select(0, slots))
+            miss_idx = (~resident).nonzero().flatten()
+            ks, vs = mgr.stream(layer, recs.index_select(0, miss_idx))
+            k.index_copy_(0, miss_idx, ks)
+            v.index_copy_(0, miss_idx, vs)
         # pages stay in logical order whatever their residency: the arithmetic is identical
         out, _, probs = tiered_attention(q, k, v, torch.arange(n).unsqueeze(0), torch.ones(1, n, dtype=torch.bool),
                                          index.unsqueeze(0), ctx["seq_len"], ctx["past"], with_lse=False)
@@ -171,11 +180,10 @@ class TieredKVCache(KVCache):
                                               mgr.kmax[layer, recs].unsqueeze(0), ctx["tokens"].unsqueeze(0),
                                               ctx["distance"].unsqueeze(0), cand.unsqueeze(0))
             rel, pos = rel[0], pos[0]
-            score = self.scorer.mix(rel, pos, sal)
             t_sel = time.perf_counter()
             resident = mgr.dev_slot[layer, recs] >= 0
             if decode:
-                selected = self._select(score, t0)
+                selected = self._select(self.scorer.mix(rel, pos, sal, self.selection_weights), t0)
                 need = selected & ~t0
                 acc.needed[layer, recs] = need
                 acc.missing[layer, recs] = need & ~resident

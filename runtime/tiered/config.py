@@ -89,7 +89,14 @@ class TieredKVConfig:
     """Everything the tiered cache needs; see the module docstring for budgets.
 
     T0 (never evicted, always attended) = the first ``sink_tokens`` and the last
-    ``recent_tokens`` of each sequence plus the page being written. ``staging_pages``
+    ``recent_tokens`` of each sequence plus the page being written.
+
+    ``score_weights`` mix (relevance, position, saliency) into the *importance* that
+    replacement and migration use (the design note's 0.4 / 0.3 / 0.3);
+    ``selection_weights`` mix the same signals into the ranking that picks the pages a
+    decode step attends to. Default: relevance alone — the measured best for selection
+    (docs/benchmarks.md: the position and saliency terms predict *future* attention, and
+    cost perplexity when they steer the current step). ``staging_pages``
     of the device budget are a transit area through which non-resident pages are
     streamed (exact-mode misses, chunked prefill); they are never owned by a page.
     """
@@ -106,6 +113,7 @@ class TieredKVConfig:
     policy: str = "lfu-importance"
     mode: str = "exact"
     score_weights: tuple[float, float, float] = (0.4, 0.3, 0.3)
+    selection_weights: tuple[float, float, float] = (1.0, 0.0, 0.0)
     lfu_importance_weights: tuple[float, float] = (0.6, 0.4)
     promote_accesses: int = 2
     promote_score: float = 0.7
@@ -129,12 +137,13 @@ class TieredKVConfig:
 
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; expected one of {sorted(POLICIES)}")
-        object.__setattr__(self, "score_weights", tuple(float(w) for w in self.score_weights))
+        for name in ("score_weights", "selection_weights"):
+            w = tuple(float(x) for x in getattr(self, name))
+            object.__setattr__(self, name, w)
+            if len(w) != 3 or any(x < 0 for x in w) or not math.isclose(sum(w), 1.0, abs_tol=1e-6):
+                raise ConfigError(f"{name} must be 3 non-negative numbers summing to 1 (relevance, position, "
+                                  f"saliency), got {w}")
         object.__setattr__(self, "lfu_importance_weights", tuple(float(w) for w in self.lfu_importance_weights))
-        if len(self.score_weights) != 3 or any(w < 0 for w in self.score_weights) or \
-                not math.isclose(sum(self.score_weights), 1.0, abs_tol=1e-6):
-            raise ConfigError(f"score_weights must be 3 non-negative numbers summing to 1 (relevance, position, "
-                              f"saliency), got {self.score_weights}")
         if len(self.lfu_importance_weights) != 2 or any(w < 0 for w in self.lfu_importance_weights):
             raise ConfigError(f"lfu_importance_weights must be 2 non-negative numbers, got {self.lfu_importance_weights}")
         for name in ("promote_score", "demote_score", "hot_key_fraction"):
@@ -163,7 +172,7 @@ class TieredKVConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"{source}: unknown keys {unknown}; expected a subset of {sorted(known)}")
-        for key in ("score_weights", "lfu_importance_weights"):
+        for key in ("score_weights", "selection_weights", "lfu_importance_weights"):
             if key in data and isinstance(data[key], list):
                 data[key] = tuple(data[key])
         try:

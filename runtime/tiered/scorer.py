@@ -49,12 +49,12 @@ class ImportanceScorer(nn.Module):
         Relevance is the estimated share among ``candidates`` [B, M] (pages competing for
         the attention budget: T0 is attended anyway, and its sink pages would otherwise
         dominate the normalization); 0 for the others."""
-        rel = (relevance(q, kmin, kmax, page_tokens, candidates) if self.weights[0]
-               else torch.zeros(page_tokens.shape))
+        rel = relevance(q, kmin, kmax, page_tokens, candidates)
         return rel, position_value(distance, self.position[layer])
 
-    def mix(self, rel: torch.Tensor, pos: torch.Tensor, sal: torch.Tensor) -> torch.Tensor:
-        w_rel, w_pos, w_sal = self.weights
+    def mix(self, rel: torch.Tensor, pos: torch.Tensor, sal: torch.Tensor,
+            weights: tuple[float, float, float] | None = None) -> torch.Tensor:
+        w_rel, w_pos, w_sal = weights or self.weights
         return w_rel * rel + w_pos * pos + w_sal * sal
 
     # ------------------------------------------------------------------ file
