@@ -60,6 +60,22 @@ def token_logprobs(prev_logits: torch.Tensor, logits: torch.Tensor, targets: Seq
     return torch.log_softmax(rows, dim=-1)[torch.arange(len(targets)), torch.as_tensor(targets)]
 
 
+def greedy_loop(logits: torch.Tensor, step: Callable[[int], torch.Tensor], *, max_new_tokens: int,
+                eos: set[int]) -> list[int]:
+    """Greedy tokens starting from ``logits`` [V]; ``step(token)`` feeds a token and returns
+    the next logits. Stops at EOS (not returned) or after ``max_new_tokens``."""
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        tok = int(torch.argmax(logits))
+        if tok in eos:
+            break
+        out.append(tok)
+        if len(out) == max_new_tokens:
+            break
+        logits = step(tok)
+    return out
+
+
 class _CacheSession(EvalSession):
     def __init__(self, method: "CacheMethod", context: Sequence[int], total_tokens: int | None) -> None:
         self.m = method
@@ -82,18 +98,14 @@ class _CacheSession(EvalSession):
     @torch.no_grad()
     def greedy(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
         logits = self._feed(prompt, chunk=self.m.teacher_forcing_chunk)[-1] if prompt else self.last_logits
-        out: list[int] = []
-        pos = self.context_len + len(prompt)
-        eos = set(self.m.model.config.eos_token_ids)
-        for _ in range(max_new_tokens):
-            tok = int(torch.argmax(logits))
-            if tok in eos:
-                break
-            out.append(tok)
-            if len(out) == max_new_tokens:
-                break
-            logits = decode_one_token(self.m.model, self.cache, [self.sid], torch.tensor([tok]), torch.tensor([pos]))[0]
-            pos += 1
+        pos = [self.context_len + len(prompt)]
+
+        def step(tok: int) -> torch.Tensor:
+            pos[0] += 1
+            return decode_one_token(self.m.model, self.cache, [self.sid], torch.tensor([tok]),
+                                    torch.tensor([pos[0] - 1]))[0]
+
+        out = greedy_loop(logits, step, max_new_tokens=max_new_tokens, eos=set(self.m.model.config.eos_token_ids))
         self.cache.rollback(self.sid, self.saved)
         return out
 

@@ -44,7 +44,7 @@ import torch
 
 from tieredkv.models.hf_compat import to_transformers
 from tieredkv.models.llama import Llama
-from tieredkv.runtime.eval.harness import EvalMethod, EvalSession, token_logprobs
+from tieredkv.runtime.eval.harness import EvalMethod, EvalSession, greedy_loop, token_logprobs
 
 __all__ = [
     "KVPressMethod",
@@ -159,21 +159,17 @@ class _PressSession(EvalSession):
 
     @torch.inference_mode()
     def greedy(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
-        out: list[int] = []
-        eos = set(self.m.model.config.eos_token_ids)
         try:
             logits = (self._feed(prompt, start_pos=self.context_len, chunk=self.m.teacher_forcing_chunk)[-1]
                       if len(prompt) else self.last_logits)
-            pos = self.context_len + len(prompt)
-            for _ in range(max_new_tokens):
-                tok = int(torch.argmax(logits))
-                if tok in eos:
-                    break
-                out.append(tok)
-                if len(out) == max_new_tokens:
-                    break
-                logits = self._feed([tok], start_pos=pos, chunk=1)[-1]
-                pos += 1
+            pos = [self.context_len + len(prompt)]
+
+            def step(tok: int) -> torch.Tensor:
+                pos[0] += 1
+                return self._feed([tok], start_pos=pos[0] - 1, chunk=1)[-1]
+
+            out = greedy_loop(logits, step, max_new_tokens=max_new_tokens,
+                              eos=set(self.m.model.config.eos_token_ids))
         finally:
             self._restore()
         return out
