@@ -270,3 +270,35 @@ def test_exact_mode_output_does_not_depend_on_the_policy():
     first = next(iter(outs.values()))
     assert all(torch.equal(o, first) for o in outs.values())
     assert len(set(moved.values())) > 1  # ... while the policies do move different pages
+
+
+@pytest.mark.parametrize("mode", ["exact", "masked"])
+def test_accounting_balances_after_eos_and_cancel(mode):
+    """A batch where one sequence ends on EOS and one is cancelled mid-generation: every
+    page and record comes back, the cache is empty and consistent afterwards."""
+    from tieredkv.runtime.generate import generate as run_generate
+
+    cfg = TieredKVConfig(policy="lfu-importance", mode=mode, device_budget="60%", **SMALL)
+    cache = TieredKVCache(MODEL.kv_spec(), cfg, full_tokens=240, num_sequences=3)
+    first = run(PagedKVCache(MODEL.kv_spec()), [PROMPTS[1]], n=3)[0].token_ids
+    model = MODEL
+    saved = model.config
+    import dataclasses
+
+    model.config = dataclasses.replace(saved, eos_token_ids=(first[2],))  # prompt 1 stops at its 3rd token
+    checks = []
+
+    def on_token(event):
+        cache.mgr.check_invariants()
+        checks.append(event.index)
+        return False if event.index == 2 and len([i for i in checks if i == 2]) == 4 else None
+
+    try:
+        out = run_generate(model, cache, [PROMPTS[0], PROMPTS[1], list(range(50, 120))],
+                           SamplingParams(max_new_tokens=12), on_token=on_token)
+    finally:
+        model.config = saved
+    assert [o.finish_reason for o in out] == ["length", "eos", "cancelled"]
+    cache.mgr.check_invariants()
+    assert cache.mgr.tier_counts() == {"T0": 0, "T1": 0, "T2": 0, "T3": 0, "T4": 0}
+    assert int(cache.mgr.device.used().sum()) == 0 and int(cache.mgr.host.used().sum()) == 0

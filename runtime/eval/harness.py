@@ -164,6 +164,7 @@ def tiered_method(model: Llama, config, *, name: str | None = None, prefill_chun
     spec = model.kv_spec()
     label = name or f"tieredkv-{config.policy}-{config.mode}"
     info = {"budget": str(config.device_budget or "100%"), "policy": config.policy, "mode": config.mode,
-            "attention_budget": str(config.attention_budget or "device")}
+            "attention_budget": str(config.attention_budget or "device"),
+            "kv_bytes_per_token": spec.token_bytes_per_layer * spec.num_layers}
     return CacheMethod(model, lambda total: TieredKVCache(spec, config, full_tokens=total), name=label,
                        prefill_chunk=prefill_chunk, teacher_forcing_chunk=1, info=info)
