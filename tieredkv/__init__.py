@@ -22,6 +22,8 @@ _EXPORTS = {
     "GenerationStats": "tieredkv.runtime.generate",
     "PagedCacheConfig": "tieredkv.runtime.paged",
     "PagedKVCache": "tieredkv.runtime.paged",
+    "TieredKVConfig": "tieredkv.runtime.tiered.config",
+    "TieredKVCache": "tieredkv.runtime.tiered.cache",
     "LlamaConfig": "tieredkv.models.config",
     "load_checkpoint": "tieredkv.models.loading",
     "errors": "tieredkv.errors",
