@@ -1,7 +1,7 @@
 """tieredkv.plugins: the op specs as PyTorch references (the semantics every ONNX function
 and CUDA kernel must match)."""
 
-from tieredkv.plugins.attention import merge_attention, tiered_attention
+from tieredkv.plugins.attention import attention_over_pages, merge_attention, tiered_attention
 from tieredkv.plugins.importance import (
     cosine_position_init,
     distance_bucket,
@@ -11,5 +11,5 @@ from tieredkv.plugins.importance import (
     relevance,
 )
 
-__all__ = ["merge_attention", "tiered_attention", "cosine_position_init", "distance_bucket", "importance_score", "position_value",
+__all__ = ["attention_over_pages", "merge_attention", "tiered_attention", "cosine_position_init", "distance_bucket", "importance_score", "position_value",
            "quest_upper_bound", "relevance"]

@@ -36,13 +36,23 @@ def tiered_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     ``page_probs`` [B, H, T, M] float32 (softmax mass on each listed page; sums to 1 over
     pages for every query that sees a key).
     """
+    return attention_over_pages(q, k_pool[page_table], v_pool[page_table], page_mask, page_index, seq_len, past,
+                                scale=scale, with_lse=with_lse)
+
+
+def attention_over_pages(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_mask: torch.Tensor,
+                         page_index: torch.Tensor, seq_len: torch.Tensor, past: torch.Tensor, *,
+                         scale: float | None = None, with_lse: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`tiered_attention` after the page-table gather: ``k_pages``, ``v_pages`` are
+    [B, M, KVH, P, D], the listed pages in order (a caller that already holds the pages
+    gathered skips a copy). Same returns."""
     b, h, t, d = q.shape
-    _, kvh, p, _ = k_pool.shape
-    m = page_table.shape[1]
+    _, m, kvh, p, _ = k_pages.shape
     g = h // kvh
     scale = d ** -0.5 if scale is None else scale
-    k = k_pool[page_table].permute(0, 2, 1, 3, 4).reshape(b, kvh, m * p, d).float()
-    v = v_pool[page_table].permute(0, 2, 1, 3, 4).reshape(b, kvh, m * p, d).float()
+    k = k_pages.permute(0, 2, 1, 3, 4).reshape(b, kvh, m * p, d).float()
+    v = v_pages.permute(0, 2, 1, 3, 4).reshape(b, kvh, m * p, d).float()
     key_pos = (page_index.unsqueeze(-1) * p + torch.arange(p)).reshape(b, m * p)
     valid = page_mask.repeat_interleave(p, dim=1) & (key_pos < seq_len.view(b, 1))
     causal = key_pos.unsqueeze(1) <= (past.view(b, 1, 1) + torch.arange(t).view(1, t, 1))

@@ -141,8 +141,8 @@ def cmd_overhead(args: argparse.Namespace) -> int:
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        rel, pos = scorer.components(3, q, kmin, kmax, tokens, dist, cand)
-        score = scorer.mix(rel[0], pos[0], sal)
+        rel = scorer.relevance(3, q, kmin, kmax, tokens, cand)
+        score = scorer.mix(rel[0], scorer.positions(dist[0])[3], sal)
         torch.topk(score.masked_fill(~cand[0], float("-inf")), A - 6)
         times.append(time.perf_counter() - t0)
     scorer_ms = 1000 * statistics.median(times)

@@ -24,7 +24,7 @@ import time
 import torch
 
 from tieredkv.models.cache import KVCache, KVSpec, Step
-from tieredkv.plugins.attention import tiered_attention
+from tieredkv.plugins.attention import attention_over_pages
 from tieredkv.runtime.tiered.config import TieredKVConfig, resolve_budgets
 from tieredkv.runtime.tiered.manager import StepAccess, TierManager
 from tieredkv.runtime.tiered.metrics import TierMetrics
@@ -109,14 +109,21 @@ class TieredKVCache(KVCache):
             recs = mgr.records_of(sid)
             n = past + num_new
             pos = torch.arange(past, n)
+            # a sequence's records are usually consecutive: then a slice (a view) addresses its rows
+            contiguous = len(recs) > 0 and int(recs[-1]) - int(recs[0]) == len(recs) - 1 and bool((recs.diff() > 0).all())
+            rows = slice(int(recs[0]), int(recs[-1]) + 1) if contiguous else recs
+            tokens = mgr.rec_tokens[rows]
+            index = mgr.rec_index[rows]
+            distance = (n - 1) - (index * P + tokens - 1)
             self._step_ctx.append({
                 "recs": recs,
-                "t0": mgr.rec_t0[recs],
+                "rows": rows,
+                "t0": mgr.rec_t0[rows],
                 "write_recs": recs[pos // P],
                 "write_off": pos % P,
-                "index": mgr.rec_index[recs],
-                "tokens": mgr.rec_tokens[recs],
-                "distance": (n - 1) - (mgr.rec_index[recs] * P + mgr.rec_tokens[recs] - 1),
+                "index": index,
+                "tokens": tokens,
+                "pos": self.scorer.positions(distance),  # [L, M]: the same distances for every layer
                 "seq_len": torch.tensor([n]),
                 "past": torch.tensor([past]),
             })
@@ -162,8 +169,8 @@ class TieredKVCache(KVCache):
             k.index_copy_(0, miss_idx, ks)
             v.index_copy_(0, miss_idx, vs)
         # pages stay in logical order whatever their residency: the arithmetic is identical
-        out, _, probs = tiered_attention(q, k, v, torch.arange(n).unsqueeze(0), torch.ones(1, n, dtype=torch.bool),
-                                         index.unsqueeze(0), ctx["seq_len"], ctx["past"], with_lse=False)
+        out, _, probs = attention_over_pages(q, k.unsqueeze(0), v.unsqueeze(0), torch.ones(1, n, dtype=torch.bool),
+                                             index.unsqueeze(0), ctx["seq_len"], ctx["past"], with_lse=False)
         return out, probs.mean(1).sum(1)[0]  # mass per page: mean over heads, sum over queries
 
     def attend(self, step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -172,21 +179,21 @@ class TieredKVCache(KVCache):
         decode = step.num_new == 1
         outs = []
         for b, ctx in enumerate(self._step_ctx):
-            recs, t0 = ctx["recs"], ctx["t0"]
+            recs, rows, t0 = ctx["recs"], ctx["rows"], ctx["t0"]
             t_score = time.perf_counter()
-            sal = mgr.sal_sum[layer, recs] / ctx["tokens"].clamp(min=1)
+            sal = mgr.sal_sum[layer, rows] / ctx["tokens"].clamp(min=1)
             cand = ~t0 if not t0.all() else t0
-            rel, pos = self.scorer.components(layer, q[b : b + 1, :, -1], mgr.kmin[layer, recs].unsqueeze(0),
-                                              mgr.kmax[layer, recs].unsqueeze(0), ctx["tokens"].unsqueeze(0),
-                                              ctx["distance"].unsqueeze(0), cand.unsqueeze(0))
-            rel, pos = rel[0], pos[0]
+            rel = self.scorer.relevance(layer, q[b : b + 1, :, -1], mgr.kmin[layer, rows].unsqueeze(0),
+                                        mgr.kmax[layer, rows].unsqueeze(0), ctx["tokens"].unsqueeze(0),
+                                        cand.unsqueeze(0))[0]
+            pos = ctx["pos"][layer]
             t_sel = time.perf_counter()
-            resident = mgr.dev_slot[layer, recs] >= 0
+            resident = mgr.dev_slot[layer, rows] >= 0
             if decode:
                 selected = self._select(self.scorer.mix(rel, pos, sal, self.selection_weights), t0)
                 need = selected & ~t0
-                acc.needed[layer, recs] = need
-                acc.missing[layer, recs] = need & ~resident
+                acc.needed[layer, rows] = need
+                acc.missing[layer, rows] = need & ~resident
                 attended = selected if self.config.mode == "exact" else selected & resident
                 mgr.metrics.masked += int((selected & ~attended).sum())
             else:
@@ -194,10 +201,12 @@ class TieredKVCache(KVCache):
             t_att = time.perf_counter()
             sub = attended.nonzero().flatten()
             out, mass = self._attend_pages(layer, q[b : b + 1], recs[sub], resident[sub], ctx, ctx["index"][sub])
-            acc.streamed[layer, recs[sub]] = ~resident[sub]
-            acc.mass[layer, recs[sub]] = mass
-            acc.importance[layer, recs] = self._observed_importance(rel, pos, sal, attended, mass)
-            acc.scored[layer, recs] = True
+            acc.streamed[layer, rows] = attended & ~resident
+            mass_all = torch.zeros(len(recs))
+            mass_all[sub] = mass
+            acc.mass[layer, rows] = mass_all
+            acc.importance[layer, rows] = self._observed_importance(rel, pos, sal, attended, mass)
+            acc.scored[layer, rows] = True
             outs.append(out)
             t_end = time.perf_counter()
             m = mgr.metrics

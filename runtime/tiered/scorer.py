@@ -42,15 +42,17 @@ class ImportanceScorer(nn.Module):
         h = torch.relu(k.float() @ self.w1[layer] + self.b1[layer])
         return torch.sigmoid(h @ self.w2[layer] + self.b2[layer]).mean(-1)
 
-    def components(self, layer: int, q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
-                   page_tokens: torch.Tensor, distance: torch.Tensor,
-                   candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(relevance, position) [B, M] of every page (see tieredkv.plugins.importance).
-        Relevance is the estimated share among ``candidates`` [B, M] (pages competing for
-        the attention budget: T0 is attended anyway, and its sink pages would otherwise
-        dominate the normalization); 0 for the others."""
-        rel = relevance(q, kmin, kmax, page_tokens, candidates)
-        return rel, position_value(distance, self.position[layer])
+    def relevance(self, layer: int, q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                  page_tokens: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """Relevance [B, M] of every page for the current query (tieredkv.plugins.importance):
+        the estimated share among ``candidates`` [B, M] (the pages competing for the attention
+        budget: T0 is attended anyway, and its sink pages would otherwise dominate the
+        normalization); 0 for the others."""
+        return relevance(q, kmin, kmax, page_tokens, candidates)
+
+    def positions(self, distance: torch.Tensor) -> torch.Tensor:
+        """The position signal of every layer [L, ...] for token distances [...]."""
+        return position_value(distance, self.position.T).movedim(-1, 0)
 
     def mix(self, rel: torch.Tensor, pos: torch.Tensor, sal: torch.Tensor,
             weights: tuple[float, float, float] | None = None) -> torch.Tensor:

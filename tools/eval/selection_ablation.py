@@ -38,7 +38,7 @@ class OracleSelectionCache(TieredKVCache):
         super().__init__(*args, **kwargs)
         outer = self
 
-        def components(layer, q, kmin, kmax, page_tokens, distance, candidates):
+        def relevance(layer, q, kmin, kmax, page_tokens, candidates):
             mgr, ctx = outer.mgr, outer._step_ctx[0]
             recs = ctx["recs"]
             res = mgr.dev_slot[layer, recs] >= 0
@@ -54,9 +54,9 @@ class OracleSelectionCache(TieredKVCache):
                                         torch.ones(1, n, dtype=torch.bool), ctx["index"].unsqueeze(0),
                                         ctx["seq_len"], ctx["seq_len"] - 1, with_lse=False)
             rel = pp.amax(1)[0, 0] * candidates[0]
-            return (rel / rel.max().clamp(min=1e-30)).unsqueeze(0), torch.zeros(1, n)
+            return (rel / rel.max().clamp(min=1e-30)).unsqueeze(0)
 
-        self.scorer.components = components
+        self.scorer.relevance = relevance
 
 
 VARIANTS = {
