@@ -160,11 +160,15 @@ class Tokenizer:
             if e not in eos_ids:
                 eos_ids.append(int(e))
         added = backend.get_added_tokens_decoder()
+        if "add_bos_token" in tc:
+            add_bos = bool(tc["add_bos_token"])
+        else:  # e.g. Llama 3: the post-processor template adds BOS
+            add_bos = bos is not None and backend.encode("a", add_special_tokens=True).ids[:1] == [bos]
         return cls(
             backend=backend,
             bos_token_id=bos,
             eos_token_ids=tuple(eos_ids),
-            add_bos=bool(tc.get("add_bos_token", False)),
+            add_bos=add_bos,
             chat_template=tc.get("chat_template") if isinstance(tc.get("chat_template"), str) else None,
             special_ids=frozenset(i for i, t in added.items() if t.special),
         )

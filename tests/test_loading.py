@@ -153,3 +153,30 @@ def test_smollm2_tokenizer(smollm):
     assert digits == list("71432")
     assert tok.eos_token_ids == (2,) and not tok.add_bos
     assert "<|im_start|>assistant" in tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("template_bos", [True, False])
+def test_hf_tokenizer_json(tmp_path, template_bos):
+    """tokenizer.json + tokenizer_config.json; BOS comes from add_bos_token or, when that is
+    absent (Llama 3), from the post-processor template."""
+    from tokenizers import AddedToken, Tokenizer as HFTok, decoders, models, pre_tokenizers, processors
+
+    from helpers import tiny_vocab
+
+    tokens, merges, _ = tiny_vocab()
+    backend = HFTok(models.BPE({t: i for i, t in enumerate(tokens)}, [tuple(m.split(" ")) for m in merges]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True) for t in tokens[:3]])
+    if template_bos:
+        backend.post_processor = processors.TemplateProcessing(single="<|im_start|> $A",
+                                                               special_tokens=[("<|im_start|>", 1)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|im_start|>",
+                                                                "eos_token": "<|im_end|>"}))
+    from tieredkv.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    assert tok.bos_token_id == 1 and tok.eos_token_ids == (2,) and tok.add_bos == template_bos
+    ids = tok.encode("the cat")
+    assert (ids[0] == 1) == template_bos and tok.decode(ids) == "the cat"
