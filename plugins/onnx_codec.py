@@ -1,0 +1,178 @@
+"""The codec ops as ONNX nodes: custom domain ``tieredkv``, attributes ``plugin_namespace`` /
+``plugin_version`` (TensorRT >= 10.15 swaps in the registered plugin when they are set),
+and a local-function body of standard ops (opset 21) that ONNX Runtime, onnx.reference
+and polygraphy run anywhere. The bodies compute exactly what `tieredkv.plugins.codec`
+does, bit for bit (the tests compare them in ONNX Runtime CPU).
+
+The ops work on *groups*: ``x`` [N, G] float32, one scale (and zero point) per row. The
+page <-> groups reshapes (per token or per channel) are plain Reshape/Transpose nodes of
+the surrounding graph. Outputs are unpacked codes (one uint8 per value; FP8 codes come
+back from ONNX Runtime as uint8 too) and float32 scales that are exactly representable in
+bfloat16 (zero points: in float16) — bit packing is a storage-layout step
+(`codec.pack`).
+
+    KVEncode<codec>(x) -> codes [N, G], scale [N, 1] (, zero [N, 1]) (, rcodes [N, G], rscale [N, 1])
+    KVDecode<codec>(codes, scale, (zero,) (rcodes, rscale)) -> x_hat [N, G]
+"""
+
+from __future__ import annotations
+
+from onnx import FunctionProto, ModelProto, TensorProto, helper
+
+from tieredkv.plugins.codec import FP8_MAX, CodecSpec
+
+DOMAIN = "tieredkv"
+PLUGIN_NAMESPACE = "tieredkv"
+PLUGIN_VERSION = "1"
+OPSET = 21
+_ATTRS = ["plugin_namespace", "plugin_version"]
+
+
+class _Body:
+    """A tiny helper to write function bodies as a list of nodes with fresh names."""
+
+    def __init__(self) -> None:
+        self.nodes: list = []
+        self._n = 0
+
+    def _name(self, hint: str) -> str:
+        self._n += 1
+        return f"{hint}_{self._n}"
+
+    def const(self, value: float | list[int], dtype=TensorProto.FLOAT) -> str:
+        out = self._name("c")
+        dims = [len(value)] if isinstance(value, list) else []
+        vals = value if isinstance(value, list) else [value]
+        self.nodes.append(helper.make_node("Constant", [], [out], value=helper.make_tensor(out, dtype, dims, vals)))
+        return out
+
+    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs) -> str:
+        out = out or self._name(op_type.lower())
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], **attrs))
+        return out
+
+
+def _stored_scale(b: _Body, raw: str, out: str) -> str:
+    """bfloat16-rounded scale, 0 -> 1 (codec._stored_scale)."""
+    s = b.op("Cast", b.op("Cast", raw, to=TensorProto.BFLOAT16), to=TensorProto.FLOAT)
+    return b.op("Where", b.op("Greater", s, b.const(0.0)), s, b.const(1.0), out=out)
+
+
+def _absmax(b: _Body, x: str) -> str:
+    return b.op("ReduceMax", b.op("Abs", x), b.const([-1], TensorProto.INT64), keepdims=1)
+
+
+def _quantize(b: _Body, x: str, spec: CodecSpec) -> tuple[list[str], str]:
+    """Base quantizer; returns (output names, the dequantized tensor name)."""
+    if spec.base == "fp8":
+        scale = _stored_scale(b, b.op("Div", _absmax(b, x), b.const(FP8_MAX)), "scale")
+        xc = b.op("Clip", b.op("Div", x, scale), b.const(-FP8_MAX), b.const(FP8_MAX))
+        codes = b.op("Cast", xc, to=TensorProto.FLOAT8E4M3FN, saturate=1, out="codes")
+        deq = b.op("Mul", b.op("Cast", codes, to=TensorProto.FLOAT), scale)
+        return ["codes", "scale"], deq
+    levels = float(2 ** spec.bits - 1)
+    axes = b.const([-1], TensorProto.INT64)
+    if spec.asym:
+        lo = b.op("ReduceMin", x, axes, keepdims=1)
+        hi = b.op("ReduceMax", x, axes, keepdims=1)
+        scale = _stored_scale(b, b.op("Div", b.op("Sub", hi, lo), b.const(levels)), "scale")
+        zero16 = b.op("Cast", lo, to=TensorProto.FLOAT16)
+        zero = b.op("Cast", zero16, to=TensorProto.FLOAT, out="zero")
+        q = b.op("Clip", b.op("Round", b.op("Div", b.op("Sub", x, zero), scale)), b.const(0.0), b.const(levels))
+        codes = b.op("Cast", q, to=TensorProto.UINT8, out="codes")
+        deq = b.op("Add", b.op("Mul", b.op("Cast", codes, to=TensorProto.FLOAT), scale), zero)
+        return ["codes", "scale", "zero"], deq
+    half = float(2 ** (spec.bits - 1))
+    scale = _stored_scale(b, b.op("Div", _absmax(b, x), b.const(half - 1)), "scale")
+    q = b.op("Clip", b.op("Round", b.op("Div", x, scale)), b.const(-half), b.const(half - 1))
+    codes = b.op("Cast", b.op("Add", q, b.const(half)), to=TensorProto.UINT8, out="codes")
+    deq = b.op("Mul", b.op("Sub", b.op("Cast", codes, to=TensorProto.FLOAT), b.const(half)), scale)
+    return ["codes", "scale"], deq
+
+
+def _residual(b: _Body, r: str) -> list[str]:
+    absmax = _absmax(b, r)
+    scale = _stored_scale(b, b.op("Div", absmax, b.const(2.0)), "rscale_q")
+    q = b.op("Clip", b.op("Add", b.op("Floor", b.op("Div", r, scale)), b.const(2.0)), b.const(0.0), b.const(3.0))
+    b.op("Cast", q, to=TensorProto.UINT8, out="rcodes")
+    b.op("Where", b.op("Greater", absmax, b.const(0.0)), scale, b.const(0.0), out="rscale")
+    return ["rcodes", "rscale"]
+
+
+def _check(spec: CodecSpec) -> None:
+    if spec.keyframe:
+        raise ValueError(f"{spec.name}: delta coding runs along a page's tokens (a scan); it has a PyTorch "
+                         "reference but no ONNX form")
+
+
+def _sanitize(b: _Body, x: str) -> str:
+    """NaN -> 0, ±Inf -> ±(largest finite |x| of the row) (codec.sanitize)."""
+    nan, inf = b.op("IsNaN", x), b.op("IsInf", x)
+    finite = b.op("Not", b.op("Or", nan, inf))
+    big = b.op("ReduceMax", b.op("Where", finite, b.op("Abs", x), b.const(0.0)), b.const([-1], TensorProto.INT64),
+               keepdims=1)
+    x1 = b.op("Where", nan, b.const(0.0), x)
+    return b.op("Where", b.op("IsInf", x1), b.op("Mul", b.op("Sign", x1), big), x1)
+
+
+def encode_function(spec: CodecSpec) -> FunctionProto:
+    """Equals ``codec.encode`` on groups (sanitize, quantize, residual)."""
+    _check(spec)
+    b = _Body()
+    x = _sanitize(b, "x")
+    outputs, deq = _quantize(b, x, spec)
+    if spec.residual_bits:
+        outputs += _residual(b, b.op("Sub", x, deq))
+    return helper.make_function(DOMAIN, op_type("encode", spec), ["x"], outputs, b.nodes,
+                                [helper.make_opsetid("", OPSET)], attributes=_ATTRS)
+
+
+def decode_function(spec: CodecSpec) -> FunctionProto:
+    _check(spec)
+    b = _Body()
+    inputs = ["codes", "scale"] + (["zero"] if spec.asym else []) + (["rcodes", "rscale"] if spec.residual_bits else [])
+    codes = b.op("Cast", "codes", to=TensorProto.FLOAT)  # FP8 codes are typed float8e4m3fn: a value cast
+    if spec.base == "fp8":
+        x = b.op("Mul", codes, "scale")
+    elif spec.asym:
+        x = b.op("Add", b.op("Mul", codes, "scale"), "zero")
+    else:
+        x = b.op("Mul", b.op("Sub", codes, b.const(float(2 ** (spec.bits - 1)))), "scale")
+    if spec.residual_bits:
+        r = b.op("Mul", b.op("Sub", b.op("Cast", "rcodes", to=TensorProto.FLOAT), b.const(1.5)), "rscale")
+        x = b.op("Add", x, r)
+    b.op("Identity", x, out="x_hat")
+    return helper.make_function(DOMAIN, op_type("decode", spec), inputs, ["x_hat"], b.nodes,
+                                [helper.make_opsetid("", OPSET)], attributes=_ATTRS)
+
+
+def op_type(kind: str, spec: CodecSpec) -> str:
+    """e.g. KVEncode_fp8_r2, KVDecode_int4."""
+    return f"KV{kind.capitalize()}_{spec.name.replace('-', '_')}"
+
+
+def _io_types(kind: str, spec: CodecSpec) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    code_t = TensorProto.FLOAT8E4M3FN if spec.base == "fp8" else TensorProto.UINT8
+    enc = [("codes", code_t), ("scale", TensorProto.FLOAT)]
+    if spec.asym:
+        enc.append(("zero", TensorProto.FLOAT))
+    if spec.residual_bits:
+        enc += [("rcodes", TensorProto.UINT8), ("rscale", TensorProto.FLOAT)]
+    if kind == "encode":
+        return [("x", TensorProto.FLOAT)], enc
+    return enc, [("x_hat", TensorProto.FLOAT)]
+
+
+def codec_model(kind: str, spec: CodecSpec) -> ModelProto:
+    """A one-node model running the encode or decode op on groups [N, G] (N, G dynamic)."""
+    fn = encode_function(spec) if kind == "encode" else decode_function(spec)
+    ins, outs = _io_types(kind, spec)
+
+    def vi(name: str, t: int):
+        return helper.make_tensor_value_info(name, t, ["N", "G" if not name.endswith(("scale", "zero")) else 1])
+
+    node = helper.make_node(fn.name, [n for n, _ in ins], [n for n, _ in outs], domain=DOMAIN,
+                            plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+    graph = helper.make_graph([node], f"{fn.name}_graph", [vi(n, t) for n, t in ins], [vi(n, t) for n, t in outs])
+    return helper.make_model(graph, functions=[fn], opset_imports=[helper.make_opsetid("", OPSET),
+                                                                   helper.make_opsetid(DOMAIN, 1)])
