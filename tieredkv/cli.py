@@ -199,51 +199,54 @@ def _eval_method(loaded, args):
     return CacheMethod(loaded.model, lambda total: PagedKVCache(spec, cfg), name="full", prefill_chunk=args.prefill_chunk)
 
 
-def cmd_eval_perplexity(args: argparse.Namespace) -> int:
+def _eval_setup(args: argparse.Namespace, text_file: str | None):
+    """Load the model, tokenize the evaluation text, build the evaluated method."""
     from tieredkv.runtime.eval.data import load_text
-    from tieredkv.runtime.eval.perplexity import perplexity
 
     loaded = _load_model(args)
     _need_tokenizer(loaded)
-    ids = loaded.tokenizer.encode(load_text(args.text_file, log=_log), add_bos=False)
-    method = _eval_method(loaded, args)
-    res = perplexity(method, ids, window=args.window, max_windows=args.max_windows,
-                     context_fraction=args.context_fraction)
+    ids = loaded.tokenizer.encode(load_text(text_file, log=_log), add_bos=False)
+    return loaded, ids, _eval_method(loaded, args)
+
+
+def _eval_report(args: argparse.Namespace, res, summary: str, payload: dict[str, Any]) -> bool:
+    """Log the summary (and the tier metrics with --stats); with --json emit the payload.
+    Returns whether the caller should still print its plain-text result."""
     if args.stats and res.stats:
         _log(json.dumps(res.stats))
-    _log(f"perplexity {res.perplexity:.4f} over {res.tokens_scored} tokens in {res.windows} window(s) of "
-         f"{res.window} ({res.seconds:.1f}s)")
+    _log(summary)
     if args.json:
-        _emit_json({"command": "eval perplexity", "model": str(loaded.source),
-                    "text": args.text_file or "pg-essays", **res.to_dict()})
-    else:
+        _emit_json({**payload, **res.to_dict()})
+    return not args.json
+
+
+def cmd_eval_perplexity(args: argparse.Namespace) -> int:
+    from tieredkv.runtime.eval.perplexity import perplexity
+
+    loaded, ids, method = _eval_setup(args, args.text_file)
+    res = perplexity(method, ids, window=args.window, max_windows=args.max_windows,
+                     context_fraction=args.context_fraction)
+    if _eval_report(args, res, f"perplexity {res.perplexity:.4f} over {res.tokens_scored} tokens in {res.windows} "
+                    f"window(s) of {res.window} ({res.seconds:.1f}s)",
+                    {"command": "eval perplexity", "model": str(loaded.source), "text": args.text_file or "pg-essays"}):
         print(f"{res.perplexity:.4f}")
     return 0
 
 
 def cmd_eval_passkey(args: argparse.Namespace) -> int:
-    from tieredkv.runtime.eval.data import load_text
+    from tieredkv.errors import ContextLengthError
     from tieredkv.runtime.eval.passkey import passkey
 
-    loaded = _load_model(args)
-    _need_tokenizer(loaded)
+    loaded, hay, method = _eval_setup(args, args.haystack_file)
     if args.context >= loaded.config.max_position_embeddings:
-        from tieredkv.errors import ContextLengthError
-
         raise ContextLengthError(f"--context {args.context} does not fit the model context of "
                                  f"{loaded.config.max_position_embeddings} tokens (answer tokens need room too)")
-    hay = loaded.tokenizer.encode(load_text(args.haystack_file, log=_log), add_bos=False)
-    method = _eval_method(loaded, args)
-    res = passkey(method, loaded.tokenizer, hay, context=args.context, trials=args.trials,
-                  seed=args.seed)
-    if args.stats and res.stats:
-        _log(json.dumps(res.stats))
-    _log(f"passkey@{res.context}: accuracy {res.accuracy:.2f} ({sum(r.correct for r in res.results)}/{res.trials}), "
-         f"mean log-prob of the key {res.mean_logprob:.3f} nats ({res.seconds:.1f}s)")
-    if args.json:
-        _emit_json({"command": "eval passkey", "model": str(loaded.source),
-                    "haystack": args.haystack_file or "pg-essays", **res.to_dict()})
-    else:
+    res = passkey(method, loaded.tokenizer, hay, context=args.context, trials=args.trials, seed=args.seed)
+    hits = sum(r.correct for r in res.results)
+    if _eval_report(args, res, f"passkey@{res.context}: accuracy {res.accuracy:.2f} ({hits}/{res.trials}), mean "
+                    f"log-prob of the key {res.mean_logprob:.3f} nats ({res.seconds:.1f}s)",
+                    {"command": "eval passkey", "model": str(loaded.source),
+                     "haystack": args.haystack_file or "pg-essays"}):
         for r in res.results:
             print(f"depth {r.depth:.2f}  key {r.key}  {'OK ' if r.correct else 'MISS'}  logprob {r.logprob:8.3f}  "
                   f"answer {r.answer!r}")
