@@ -214,14 +214,15 @@ def page_layout(spec: CodecSpec, kv_heads: int, page_size: int, head_dim: int) -
     layout: dict[str, dict[str, int]] = {}
     offset = 0
     n = kv_heads * page_size * head_dim
+    padded = -(-n // 4) * 4  # codes are packed in whole bytes (4 values = 1, 2 or 3 bytes)
     for role in ("k", "v"):
         axis = spec.key_axis if role == "k" else spec.value_axis
         groups = kv_heads * head_dim if axis == "channel" else n // math.gcd(spec.group, head_dim)
-        sections = {"codes": n * spec.bits // 8, "scale": 2 * groups}
+        sections = {"codes": padded * spec.bits // 8, "scale": 2 * groups}
         if spec.asym:
             sections["zero"] = 2 * groups
         if spec.residual_bits:
-            sections["rcodes"] = n * spec.residual_bits // 8
+            sections["rcodes"] = padded * spec.residual_bits // 8
             sections["rscale"] = 2 * groups
         if spec.keyframe:
             sections["keyframes"] = 2 * kv_heads * -(-page_size // spec.keyframe) * head_dim
@@ -271,3 +272,72 @@ def unpack(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
         v = torch.stack([(word >> s) & 0x3F for s in (0, 6, 12, 18)], -1)
         return v.flatten()[:count].to(torch.uint8)
     raise ValueError(f"cannot unpack {bits}-bit codes")
+
+
+# ------------------------------------------------------------------------------ page bytes
+def _group_shape(spec: CodecSpec, role: str, kv_heads: int, page_size: int, head_dim: int) -> tuple[int, int]:
+    """(groups per kv head, values per group) of one page."""
+    axis = spec.key_axis if role == "k" else spec.value_axis
+    if axis == "channel":
+        return head_dim, page_size
+    g = math.gcd(spec.group, head_dim)
+    return page_size * head_dim // g, g
+
+
+def _as_bytes(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Tensor with ``n`` pages along dim 0 (any trailing shape) -> [n, bytes per page]."""
+    return t.contiguous().view(torch.uint8).reshape(n, -1)
+
+
+def encode_pages(k: torch.Tensor, v: torch.Tensor, spec: CodecSpec) -> torch.Tensor:
+    """N pages of one layer, K and V [N, KVH, P, D] -> uint8 [N, page_bytes] in the byte
+    layout of ``page_layout`` (docs/codec.md). Pages are encoded independently; this is
+    ``encode`` of each page, serialized."""
+    n, kvh, p, d = k.shape
+    layout = page_layout(spec, kvh, p, d)
+    out = torch.zeros((n, layout["total"]["bytes"]), dtype=torch.uint8)
+    for role, x in (("k", k), ("v", v)):
+        enc = encode(x.reshape(n * kvh, p, d), spec, role=role)  # pages as extra heads: same groups
+        for name, t in enc.items():
+            sec = layout[f"{role}.{name}"]
+            if name in ("codes", "rcodes"):
+                bits = spec.bits if name == "codes" else spec.residual_bits
+                codes = t.reshape(n, -1)
+                pad = -codes.shape[1] % 4
+                if pad:
+                    codes = torch.cat([codes, codes.new_zeros(n, pad)], 1)
+                data = pack(codes, bits).reshape(n, -1)
+            else:
+                data = _as_bytes(t, n)
+            assert data.shape[1] == sec["bytes"], (role, name, data.shape, sec)
+            out[:, sec["offset"] : sec["offset"] + sec["bytes"]] = data
+    return out
+
+
+def decode_pages(data: torch.Tensor, spec: CodecSpec, shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 [N, page_bytes] (``encode_pages``) -> K, V [N, KVH, P, D] float32."""
+    kvh, p, d = shape
+    n = data.shape[0]
+    layout = page_layout(spec, kvh, p, d)
+    vals = kvh * p * d
+    out = []
+    for role in ("k", "v"):
+        groups, size = _group_shape(spec, role, kvh, p, d)
+        enc: dict[str, torch.Tensor] = {}
+        for key, sec in layout.items():
+            if not key.startswith(role + "."):
+                continue
+            name = key.split(".", 1)[1]
+            raw = data[:, sec["offset"] : sec["offset"] + sec["bytes"]]
+            if name in ("codes", "rcodes"):
+                bits = spec.bits if name == "codes" else spec.residual_bits
+                per_page = -(-vals // 4) * 4
+                codes = unpack(raw.contiguous(), bits, n * per_page).reshape(n, per_page)[:, :vals]
+                enc[name] = codes.reshape(n * kvh, groups, size)
+            elif name == "keyframes":
+                enc[name] = raw.contiguous().view(torch.float16).reshape(n * kvh, -1, d)
+            else:
+                dtype = torch.float16 if name == "zero" else SCALE_DTYPE
+                enc[name] = raw.contiguous().view(dtype).reshape(n * kvh, groups, 1)
+        out.append(decode(enc, spec, (n * kvh, p, d), role=role).reshape(n, kvh, p, d))
+    return out[0], out[1]

@@ -154,11 +154,14 @@ work = st.lists(st.one_of(
 
 @settings(max_examples=25, deadline=None)
 @given(ops=work, policy=st.sampled_from(LIVE_POLICIES), mode=st.sampled_from(["exact", "masked"]),
-       budget=st.sampled_from([None, 160, 240]), attention=st.sampled_from([None, 48, 10**6]))
-def test_property_invariants(ops, policy, mode, budget, attention):
+       budget=st.sampled_from([None, 160, 240]), attention=st.sampled_from([None, 48, 10**6]),
+       warm=st.sampled_from([None, "int4", "fp8-r2"]))
+def test_property_invariants(ops, policy, mode, budget, attention, warm):
     """Random add / decode / free / cancel: after every step no page is lost or duplicated,
-    capacities hold, accounting balances; freed sequences return every slot and record."""
-    cfg = TieredKVConfig(policy=policy, mode=mode, device_budget=budget, attention_budget=attention, **SMALL)
+    capacities hold (the warm sub-tier's encoded bytes included), accounting balances;
+    freed sequences return every slot and record."""
+    cfg = TieredKVConfig(policy=policy, mode=mode, device_budget=budget, attention_budget=attention,
+                         warm_codec=warm, **SMALL)
     try:
         cache = TieredKVCache(MODEL.kv_spec(), cfg, num_sequences=2)
     except ConfigError:
@@ -190,12 +193,14 @@ def test_property_invariants(ops, policy, mode, budget, attention):
         cache.mgr.check_invariants()
         m = cache.metrics
         if cache.mgr.resident_cap is not None:
-            cap = cache.mgr.resident_cap * cache.mgr.page_bytes * MODEL.config.num_layers
+            b = cache.budgets
+            cap = (b.device_pages - b.staging_pages) * cache.mgr.page_bytes * MODEL.config.num_layers
             assert m.resident_bytes_max <= cap
     for sid, _ in live:
         cache.free_sequence(sid)
     mgr = cache.mgr
     assert int(mgr.device.used().sum()) == 0 and int(mgr.host.used().sum()) == 0
+    assert mgr.warm is None or int(mgr.warm.used().sum()) == 0
     assert len(mgr.free_records) == mgr.R and not mgr.alive.any()
 
 
@@ -222,6 +227,9 @@ def test_bad_budgets(bad):
     (dict(score_weights=(0.5, 0.5, 0.5)), "score_weights"),
     (dict(page_size=0), "page_size"),
     (dict(recent_tokens=-1), "recent_tokens"),
+    (dict(warm_codec="zstd"), "unknown warm_codec 'zstd'"),
+    (dict(warm_fraction=0.0), "warm_fraction"),
+    (dict(kv_dtype="int8"), "kv_dtype"),
 ])
 def test_bad_config_values(bad, match):
     with pytest.raises(ConfigError, match=match):
@@ -300,5 +308,5 @@ def test_accounting_balances_after_eos_and_cancel(mode):
         model.config = saved
     assert [o.finish_reason for o in out] == ["length", "eos", "cancelled"]
     cache.mgr.check_invariants()
-    assert cache.mgr.tier_counts() == {"T0": 0, "T1": 0, "T2": 0, "T3": 0, "T4": 0}
+    assert cache.mgr.tier_counts() == {"T0": 0, "T1": 0, "T2": 0, "T2w": 0, "T3": 0, "T4": 0}
     assert int(cache.mgr.device.used().sum()) == 0 and int(cache.mgr.host.used().sum()) == 0

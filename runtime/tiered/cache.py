@@ -19,13 +19,16 @@ page is resident and attended: the output equals the paged cache's.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
 from tieredkv.models.cache import KVCache, KVSpec, Step
 from tieredkv.plugins.attention import attention_over_pages
-from tieredkv.runtime.tiered.config import TieredKVConfig, resolve_budgets
+from tieredkv.plugins.codec import CODECS
+from tieredkv.plugins.codec import page_bytes as codec_page_bytes
+from tieredkv.runtime.tiered.config import KV_DTYPES, TieredKVConfig, resolve_budgets
 from tieredkv.runtime.tiered.manager import StepAccess, TierManager
 from tieredkv.runtime.tiered.metrics import TierMetrics
 from tieredkv.runtime.tiered.policies import make_policy
@@ -36,11 +39,17 @@ class TieredKVCache(KVCache):
     def __init__(self, spec: KVSpec, config: TieredKVConfig | None = None, *, full_tokens: int | None = None,
                  num_sequences: int = 1, scorer: ImportanceScorer | None = None, device: str = "cpu",
                  recorder=None) -> None:
-        self.spec = spec
         self.config = config = config or TieredKVConfig()
+        if config.kv_dtype is not None:
+            spec = dataclasses.replace(spec, dtype=KV_DTYPES[config.kv_dtype])
+        self.spec = spec
+        warm_bytes = None
+        if config.warm_codec is not None:
+            warm_bytes = codec_page_bytes(CODECS[config.warm_codec], spec.num_kv_heads, config.page_size, spec.head_dim)
         self.budgets = resolve_budgets(config, num_layers=spec.num_layers,
                                        token_bytes_per_layer=spec.token_bytes_per_layer,
-                                       full_tokens=full_tokens, num_sequences=num_sequences)
+                                       full_tokens=full_tokens, num_sequences=num_sequences,
+                                       warm_page_bytes=warm_bytes)
         self.policy = make_policy(config.policy, lfu_importance_weights=config.lfu_importance_weights)
         self.scorer = scorer or ImportanceScorer.for_model(spec.num_layers, spec.head_dim, path=config.scorer_weights,
                                                            weights=config.score_weights)
@@ -144,30 +153,35 @@ class TieredKVCache(KVCache):
         mgr.kmax[layer].scatter_reduce_(0, idx, kf, "amax")
         mgr.sal_sum[layer].index_add_(0, recs, self.scorer.token_saliency(layer, kt))
 
-    def _attend_pages(self, layer: int, q: torch.Tensor, recs: torch.Tensor, resident: torch.Tensor,
+    def _attend_pages(self, layer: int, q: torch.Tensor, recs: torch.Tensor,
                       ctx: dict, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of q [1, H, T, D] over pages ``recs``: resident ones read from the device
-        pool, the others streamed through the staging area (``ceil(n / staging_pages)``
+        """Attention of q [1, H, T, D] over pages ``recs``: full-precision resident ones read
+        from the device pool, warm ones decoded, the others streamed through the staging area (``ceil(n / staging_pages)``
         rounds of at most ``staging_pages`` pages, counted in the metrics). On the GPU the
         kernel processes each round as a block and merges blocks by log-sum-exp
         (``merge_attention``); on the CPU the rounds are gathered into one call, which is
         the same arithmetic. Returns (out, mass per page)."""
         mgr = self.mgr
         n = len(recs)
-        res_idx = resident.nonzero().flatten()
-        slots = mgr.dev_slot[layer].index_select(0, recs.index_select(0, res_idx))
+        dslot = mgr.dev_slot[layer].index_select(0, recs)
+        full = dslot >= 0
         k_dev, v_dev = mgr.device.k[layer], mgr.device.v[layer]
-        if len(res_idx) == n:
-            k, v = k_dev.index_select(0, slots), v_dev.index_select(0, slots)
+        if bool(full.all()):
+            k, v = k_dev.index_select(0, dslot), v_dev.index_select(0, dslot)
         else:
-            k = torch.empty((n, *mgr.device.page_shape), dtype=mgr.device.dtype)
+            k = torch.empty((n, *mgr.device.page_shape), dtype=q.dtype)
             v = torch.empty_like(k)
-            k.index_copy_(0, res_idx, k_dev.index_select(0, slots))
-            v.index_copy_(0, res_idx, v_dev.index_select(0, slots))
-            miss_idx = (~resident).nonzero().flatten()
-            ks, vs = mgr.stream(layer, recs.index_select(0, miss_idx))
-            k.index_copy_(0, miss_idx, ks)
-            v.index_copy_(0, miss_idx, vs)
+            idx = full.nonzero().flatten()
+            k.index_copy_(0, idx, k_dev.index_select(0, dslot[idx]).to(q.dtype))
+            v.index_copy_(0, idx, v_dev.index_select(0, dslot[idx]).to(q.dtype))
+            rest = (~full).nonzero().flatten()
+            warm = mgr.warm_slot[layer].index_select(0, recs[rest]) >= 0
+            for idx, read in ((rest[warm], mgr.read_warm), (rest[~warm], mgr.stream)):
+                if len(idx):
+                    ks, vs = read(layer, recs.index_select(0, idx))
+                    k.index_copy_(0, idx, ks.to(q.dtype))
+                    v.index_copy_(0, idx, vs.to(q.dtype))
+        k, v = k.to(q.dtype), v.to(q.dtype)
         # pages stay in logical order whatever their residency: the arithmetic is identical
         out, _, probs = attention_over_pages(q, k.unsqueeze(0), v.unsqueeze(0), torch.ones(1, n, dtype=torch.bool),
                                              index.unsqueeze(0), ctx["seq_len"], ctx["past"], with_lse=False)
@@ -188,7 +202,7 @@ class TieredKVCache(KVCache):
                                         cand.unsqueeze(0))[0]
             pos = ctx["pos"][layer]
             t_sel = time.perf_counter()
-            resident = mgr.dev_slot[layer, rows] >= 0
+            resident = mgr.resident(layer, rows)
             if decode:
                 selected = self._select(self.scorer.mix(rel, pos, sal, self.selection_weights), t0)
                 need = selected & ~t0
@@ -200,7 +214,7 @@ class TieredKVCache(KVCache):
                 attended = torch.ones_like(t0)
             t_att = time.perf_counter()
             sub = attended.nonzero().flatten()
-            out, mass = self._attend_pages(layer, q[b : b + 1], recs[sub], resident[sub], ctx, ctx["index"][sub])
+            out, mass = self._attend_pages(layer, q[b : b + 1], recs[sub], ctx, ctx["index"][sub])
             acc.streamed[layer, rows] = attended & ~resident
             mass_all = torch.zeros(len(recs))
             mass_all[sub] = mass

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
+
 from tieredkv.errors import ConfigError, DataFileError
 
 _UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
@@ -82,6 +84,7 @@ class Budget:
 
 
 MODES = ("exact", "masked")
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,14 @@ class TieredKVConfig:
     cost perplexity when they steer the current step). ``staging_pages``
     of the device budget are a transit area through which non-resident pages are
     streamed (exact-mode misses, chunked prefill); they are never owned by a page.
+
+    Warm sub-tier of T2 (issue #4): with ``warm_codec`` set (a name of
+    ``tieredkv.plugins.codec.CODECS``) and a device budget, ``warm_fraction`` of the
+    resident bytes beyond T0's reservation hold pages encoded with the codec; cold pages
+    (the replacement policy's victims, and pages demoted at window boundaries) are
+    compressed into it instead of leaving the device. ``kv_dtype`` stores pages in another
+    dtype than the model computes in (``float16`` is the deployment dtype; budgets count
+    the stored bytes).
     """
 
     page_size: int = 16
@@ -121,6 +132,9 @@ class TieredKVConfig:
     demote_score: float = 0.3
     window_steps: int = 16
     scorer_weights: str | None = None
+    warm_codec: str | None = None
+    warm_fraction: float = 0.5
+    kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "staging_pages", "window_steps", "promote_accesses", "demote_idle_windows"):
@@ -154,6 +168,15 @@ class TieredKVConfig:
             raise ConfigError(f"demote_score ({self.demote_score}) must not exceed promote_score ({self.promote_score})")
         for name in ("device_budget", "host_budget", "attention_budget"):
             Budget.parse(getattr(self, name), name)  # validates
+        if self.warm_codec is not None:
+            from tieredkv.plugins.codec import CODECS
+
+            if self.warm_codec not in CODECS:
+                raise ConfigError(f"unknown warm_codec {self.warm_codec!r}; expected one of {sorted(CODECS)}")
+        if not isinstance(self.warm_fraction, (int, float)) or not 0.0 < self.warm_fraction <= 1.0:
+            raise ConfigError(f"warm_fraction must be in (0, 1], got {self.warm_fraction!r}")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -220,17 +243,22 @@ class ResolvedBudgets:
     attention_pages: int | None  # per sequence-layer; None: every page of the sequence
     hot_key_pages: int
     staging_pages: int
+    warm_pages: int = 0  # compressed pages per layer (warm sub-tier of T2)
+    warm_given: int = 0  # full-precision pages whose bytes the warm sub-tier holds instead
 
     @property
     def resident_pages(self) -> int | None:
-        """Pages that may be owned on the device (T0 + T1 + T2), i.e. without the staging area."""
-        return None if self.device_pages is None else self.device_pages - self.staging_pages
+        """Full-precision pages that may be owned on the device (T0 + T1 + T2), i.e. without
+        the staging area and the bytes given to the warm sub-tier."""
+        return None if self.device_pages is None else self.device_pages - self.staging_pages - self.warm_given
 
 
 def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_layer: int,
-                    full_tokens: int | None, num_sequences: int = 1) -> ResolvedBudgets:
+                    full_tokens: int | None, num_sequences: int = 1,
+                    warm_page_bytes: int | None = None) -> ResolvedBudgets:
     """Turn the budget strings into pages per layer; ConfigError when the device budget
-    cannot hold the hot window (T0 of every sequence) plus the staging area."""
+    cannot hold the hot window (T0 of every sequence) plus the staging area.
+    ``warm_page_bytes``: bytes of one encoded page of one layer (with ``warm_codec``)."""
     P = config.page_size
     tok_all = token_bytes_per_layer * num_layers
     dev = Budget.parse(config.device_budget, "device_budget")
@@ -272,5 +300,15 @@ def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_
     elif device_pages is not None:
         # default: attend to as many pages as can be resident for one sequence
         attention_pages = (device_pages - staging) // num_sequences
-    hot = 0 if device_pages is None else int(config.hot_key_fraction * (device_pages - staging))
-    return ResolvedBudgets(device_pages, host_pages, attention_pages, hot, staging)
+    warm_pages = warm_given = 0
+    if device_pages is not None and config.warm_codec is not None:
+        if not warm_page_bytes:
+            raise ValueError("internal: warm_codec set but warm_page_bytes not given")
+        # T0 (+ the page being allocated) stays full precision; warm_fraction of the rest is compressed
+        spare = device_pages - staging - (config.t0_pages * num_sequences + 1)
+        warm_given = round(config.warm_fraction * spare)
+        warm_pages = warm_given * token_bytes_per_layer * P // warm_page_bytes
+        if att is None:
+            attention_pages = (device_pages - staging - warm_given + warm_pages) // num_sequences
+    hot = 0 if device_pages is None else int(config.hot_key_fraction * (device_pages - staging - warm_given))
+    return ResolvedBudgets(device_pages, host_pages, attention_pages, hot, staging, warm_pages, warm_given)

@@ -11,12 +11,21 @@ Tiers (DESIGN.md, "the honest tiers"):
               ``hot_key_pages`` per layer). On CUDA this region is what an L2
               access-policy window would cover; here it is accounting only;
   T2 device   the other resident pages; T0 + T1 + T2 <= the device budget minus staging;
+  T2w warm    (with ``warm_codec``) pages encoded with a KV codec in a fixed share of the
+              device bytes: the policy's victims and the pages demoted at window
+              boundaries are written back to the host when dirty (the host keeps the exact
+              copy), then compressed here instead of leaving the device; attention decodes
+              them; a warm page that turns hot (migration thresholds) is re-fetched exact
+              from the host into a full-precision slot; under pressure the warm tier drops
+              its lowest-priority pages (no bytes move: the host copy exists);
   T3 host     every page that has been written back (inclusive: a clean resident page
               keeps its host copy, so evicting it moves no bytes);
   T4 disk     host overflow, in a memory-mapped file (optional).
 
 Invariants (the property tests check them after every step):
   * every live page has at least one copy (device, host or disk) — nothing is lost;
+    a warm (compressed) page always has an exact copy on the host or disk;
+  * a page is never both full-precision and warm on the device;
   * slot tables and pool owners are each other's inverse; no slot holds two pages;
   * device-owned pages per layer <= resident capacity; host pages <= host budget;
   * freeing a sequence returns all of its slots and records.
@@ -33,7 +42,7 @@ from tieredkv.errors import KVCacheFullError
 from tieredkv.runtime.tiered.config import ResolvedBudgets, TieredKVConfig
 from tieredkv.runtime.tiered.metrics import TierMetrics
 from tieredkv.runtime.tiered.policies import PageStats, ReplacementPolicy
-from tieredkv.runtime.tiered.store import DiskPool, TierPool
+from tieredkv.runtime.tiered.store import DiskPool, TierPool, WarmPool, _rank_within_groups
 
 INF = float("inf")
 
@@ -65,6 +74,12 @@ class TierManager:
         self.host = TierPool("host", num_layers, kv_heads, self.P, head_dim, dtype, budgets.host_pages, pin=True)
         self.disk = (DiskPool(config.disk_path, num_layers, kv_heads, self.P, head_dim, dtype)
                      if config.disk_path else None)
+        self.warm = None
+        if config.warm_codec is not None and not unlimited and budgets.warm_pages > 0:
+            from tieredkv.plugins.codec import CODECS
+
+            self.warm = WarmPool(num_layers, CODECS[config.warm_codec], (kv_heads, self.P, head_dim),
+                                 budgets.warm_pages, device=device)
         self.staging_pages = 0 if unlimited else budgets.staging_pages
         self.page_bytes = self.device.page_bytes
         self.metrics = TierMetrics()
@@ -97,6 +112,7 @@ class TierManager:
         g("dev_slot", -1)
         g("host_slot", -1)
         g("disk_slot", -1)
+        g("warm_slot", -1)
         g("last_access", 0)
         g("frequency", 0)
         g("win_access", 0)
@@ -115,7 +131,7 @@ class TierManager:
             self._alloc_records(self.R)
         r = self.free_records.pop()
         self.rec_seq[r], self.rec_index[r], self.rec_tokens[r], self.rec_t0[r] = seq, index, 0, True
-        for name, value in (("dev_slot", -1), ("host_slot", -1), ("disk_slot", -1), ("frequency", 0),
+        for name, value in (("dev_slot", -1), ("host_slot", -1), ("disk_slot", -1), ("warm_slot", -1), ("frequency", 0),
                             ("win_access", 0), ("idle_windows", 0), ("t1", False), ("importance", 1.0),
                             ("acc_mass", 0.0), ("kmin", INF), ("kmax", -INF), ("sal_sum", 0.0)):
             getattr(self, name)[:, r] = value
@@ -125,6 +141,21 @@ class TierManager:
     @property
     def alive(self) -> torch.Tensor:
         return self.rec_seq >= 0
+
+    def _pools(self):
+        """(pool, slot table) of every tier that may hold pages."""
+        return ((self.device, self.dev_slot), (self.warm, self.warm_slot), (self.host, self.host_slot),
+                (self.disk, self.disk_slot))
+
+    def resident(self, layer: int, rows) -> torch.Tensor:
+        """Device-resident (full precision or warm) mask of records ``rows`` in ``layer``."""
+        return (self.dev_slot[layer, rows] >= 0) | (self.warm_slot[layer, rows] >= 0)
+
+    def read_warm(self, layer: int, recs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode warm pages of one layer for attention (float32)."""
+        self.metrics.warm_reads += len(recs)
+        layers = torch.full_like(recs, layer)
+        return self.warm.read(layers, self.warm_slot[layer, recs])
 
     def records_of(self, seq: int) -> torch.Tensor:
         return torch.tensor(self.seq_pages[seq], dtype=torch.long)
@@ -142,7 +173,7 @@ class TierManager:
     def _drop_records(self, recs: torch.Tensor) -> None:
         if len(recs) == 0:
             return
-        for pool, table in ((self.device, self.dev_slot), (self.host, self.host_slot), (self.disk, self.disk_slot)):
+        for pool, table in self._pools():
             if pool is None:
                 continue
             sub = table[:, recs]
@@ -273,9 +304,18 @@ class TierManager:
         return (short - got).clamp(min=0)
 
     def evict(self, layers: torch.Tensor, recs: torch.Tensor) -> None:
-        """Pages leave the device; dirty ones (no host/disk copy) are written back first."""
+        """Full-precision pages leave the device; dirty ones (no host/disk copy) are written
+        back first."""
         if len(recs) == 0:
             return
+        self._write_back(layers, recs)
+        self.device.release(layers, self.dev_slot[layers, recs])
+        self.dev_slot[layers, recs] = -1
+        self.t1[layers, recs] = False
+        self.metrics.evicted_pages += len(recs)
+
+    def _write_back(self, layers: torch.Tensor, recs: torch.Tensor) -> None:
+        """Copy the dirty ones of these full-precision device pages to the host."""
         dirty = (self.host_slot[layers, recs] < 0) & (self.disk_slot[layers, recs] < 0)
         if dirty.any():
             dl, dr = layers[dirty], recs[dirty]
@@ -288,9 +328,40 @@ class TierManager:
             self.host_slot[dl, dr] = hs
             self.metrics.writebacks += len(dr)
             self.metrics.bytes_d2h += len(dr) * self.page_bytes
+
+    def demote(self, layers: torch.Tensor, recs: torch.Tensor, protect: torch.Tensor | None = None) -> None:
+        """Full-precision device pages the policy let go: into the warm sub-tier when there is
+        one (compressed; the warm tier drops its lowest-priority pages for room, never
+        ``protect``-ed ones), else off the device. Pages beyond the warm capacity leave."""
+        if self.warm is None or len(recs) == 0:
+            self.evict(layers, recs)
+            return
+        self._write_back(layers, recs)  # the host keeps the exact copy
+        need = torch.bincount(layers, minlength=self.L)
+        short = (need - self.warm.free()).clamp(min=0)
+        if short.any():
+            cand = self.warm_slot >= 0
+            if protect is not None:
+                cand &= ~protect
+            wl, wr = self._lowest(cand, self.policy.priority(self._stats()), short)
+            self.warm.release(wl, self.warm_slot[wl, wr])
+            self.warm_slot[wl, wr] = -1
+            self.metrics.warm_drops += len(wr)
+        rank, _ = _rank_within_groups(layers, self.L)
+        fits = rank < self.warm.free()[layers]
+        if (~fits).any():
+            self.evict(layers[~fits], recs[~fits])
+        layers, recs = layers[fits], recs[fits]
+        if len(recs) == 0:
+            return
+        k, v = self.device.read(layers, self.dev_slot[layers, recs])
+        ws = self.warm.alloc(layers, recs)
+        self.warm.write(layers, ws, k, v)
+        self.warm_slot[layers, recs] = ws
         self.device.release(layers, self.dev_slot[layers, recs])
         self.dev_slot[layers, recs] = -1
         self.t1[layers, recs] = False
+        self.metrics.compressed_pages += len(recs)
         self.metrics.evicted_pages += len(recs)
 
     def admit(self, layers: torch.Tensor, recs: torch.Tensor, *, already_streamed: torch.Tensor | None = None) -> None:
@@ -339,7 +410,7 @@ class TierManager:
         if short.any():
             cand = self._candidates(protect)
             layers, recs = self._lowest(cand, self.policy.priority(self._stats()), short)
-            self.evict(layers, recs)
+            self.demote(layers, recs, protect)
         return torch.minimum(need, self.resident_cap - self.device.used())
 
     def end_step(self, access: StepAccess, *, decode: bool) -> None:
@@ -386,8 +457,10 @@ class TierManager:
             demote = self._candidates(None) & ((self.idle_windows >= c.demote_idle_windows) |
                                                (self.importance < c.demote_score))
             layers, recs = demote.nonzero(as_tuple=True)
-            self.evict(layers, recs)
+            self.demote(layers, recs)
             self.metrics.demotions += len(recs)
+            if self.warm is not None:
+                self._promote_warm()
             promote = (self.alive.unsqueeze(0) & (self.dev_slot < 0) & (self.win_access >= c.promote_accesses)
                        & (self.importance > c.promote_score))
             room = (self.resident_cap - self.device.used()).clamp(min=0)
@@ -396,6 +469,21 @@ class TierManager:
             self.metrics.promotions += len(recs)
         self._update_hot_keys()
         self.win_access.zero_()
+
+    def _promote_warm(self) -> None:
+        """Warm pages that turned hot (the promotion thresholds) get a full-precision slot
+        again, re-fetched exact from the host; full-precision victims take their place."""
+        c = self.config
+        hot = ((self.warm_slot >= 0) & (self.win_access >= c.promote_accesses)
+               & (self.importance > c.promote_score))
+        if not hot.any():
+            return
+        room = self._make_room(hot.sum(1), protect=hot)
+        layers, recs = self._highest(hot & (self.warm_slot >= 0), self.importance, room)
+        self.warm.release(layers, self.warm_slot[layers, recs])
+        self.warm_slot[layers, recs] = -1
+        self.admit(layers, recs)
+        self.metrics.warm_promotions += len(recs)
 
     def _update_hot_keys(self) -> None:
         """At a window boundary. T1: up to ``hot_key_pages`` resident non-T0 pages per layer, the most frequently
@@ -421,13 +509,20 @@ class TierManager:
         dev = (self.dev_slot >= 0) & alive
         t0 = dev & self.rec_t0.unsqueeze(0)
         t1 = dev & self.t1 & ~t0
-        host_only = alive & ~dev & (self.host_slot >= 0)
+        warm = (self.warm_slot >= 0) & alive
+        host_only = alive & ~dev & ~warm & (self.host_slot >= 0)
         return {"T0": int(t0.sum()), "T1": int(t1.sum()), "T2": int((dev & ~t0 & ~t1).sum()),
-                "T3": int(host_only.sum()),
-                "T4": int((alive & ~dev & ~host_only & (self.disk_slot >= 0)).sum())}
+                "T2w": int(warm.sum()), "T3": int(host_only.sum()),
+                "T4": int((alive & ~dev & ~warm & ~host_only & (self.disk_slot >= 0)).sum())}
+
+    @property
+    def warm_page_bytes(self) -> int:
+        return 0 if self.warm is None else self.warm.page_bytes
 
     def resident_bytes(self) -> int:
-        return int(self.device.used().sum()) * self.page_bytes
+        """Device-owned page bytes: full-precision pages plus encoded warm pages."""
+        warm = 0 if self.warm is None else int(self.warm.used().sum()) * self.warm.page_bytes
+        return int(self.device.used().sum()) * self.page_bytes + warm
 
     def _record_residency(self) -> None:
         """Per step: the device-owned bytes (the resident-bytes-over-time series)."""
@@ -441,14 +536,16 @@ class TierManager:
         m = self.metrics
         counts = self.tier_counts()
         m.pages_per_tier = counts
-        m.bytes_per_tier = {t: n * self.page_bytes for t, n in counts.items()}
+        m.bytes_per_tier = {t: n * (self.warm_page_bytes if t == "T2w" else self.page_bytes)
+                            for t, n in counts.items()}
+        m.warm_bytes_saved = counts["T2w"] * (self.page_bytes - self.warm_page_bytes)
         m.summary_bytes = int(self.alive.sum()) * self.L * 2 * self.kv_heads * self.head_dim * 4
         return m
 
     def check_invariants(self) -> None:
         """Raise AssertionError when an invariant (module docstring) does not hold."""
         alive = self.alive
-        for pool, table in ((self.device, self.dev_slot), (self.host, self.host_slot), (self.disk, self.disk_slot)):
+        for pool, table in self._pools():
             if pool is None:
                 assert (table < 0).all()
                 continue
@@ -462,6 +559,9 @@ class TierManager:
         has_copy = (self.dev_slot >= 0) | (self.host_slot >= 0) | (self.disk_slot >= 0)
         written = (self.rec_tokens > 0).unsqueeze(0) & live
         assert has_copy[written].all(), "a written page has no copy in any tier (lost)"
+        warm = self.warm_slot >= 0
+        assert not (warm & (self.dev_slot >= 0)).any(), "a page is both full precision and warm on the device"
+        assert ((self.host_slot >= 0) | (self.disk_slot >= 0))[warm].all(), "a warm page has no exact copy"
         assert ((self.dev_slot >= 0) | ~(live & self.rec_t0.unsqueeze(0))).all(), "a T0 page is not resident"
         if self.resident_cap is not None:
             assert int(self.device.used().max()) <= self.resident_cap, "device over the resident capacity"
@@ -470,7 +570,8 @@ class TierManager:
         assert sorted(listed + self.free_records) == list(range(self.R)), "a record is lost or duplicated"
 
     # ------------------------------------------------------------------ checkpoint
-    _STATE = ("rec_seq", "rec_index", "rec_tokens", "rec_t0", "dev_slot", "host_slot", "disk_slot", "last_access",
+    _STATE = ("rec_seq", "rec_index", "rec_tokens", "rec_t0", "dev_slot", "host_slot", "disk_slot", "warm_slot",
+              "last_access",
               "frequency", "win_access", "idle_windows", "t1", "importance", "acc_mass", "kmin", "kmax", "sal_sum")
 
     def checkpoint(self) -> dict:
@@ -482,6 +583,8 @@ class TierManager:
             state[tag] = (pool.k.clone(), pool.v.clone(), pool.owner.clone())
         if self.disk is not None:
             state["disk"] = (self.disk.mm.copy(), self.disk.owner.clone())
+        if self.warm is not None:
+            state["warm"] = (self.warm.data.clone(), self.warm.owner.clone())
         return state
 
     def rollback(self, state: dict) -> None:
@@ -500,3 +603,6 @@ class TierManager:
                 self.disk._grow(data.shape[0])
             self.disk.mm[: data.shape[0]] = data
             self.disk.owner = owner.clone()
+        if self.warm is not None:
+            data, owner = state["warm"]
+            self.warm.data, self.warm.owner = data.clone(), owner.clone()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-TIERS = ("T0", "T1", "T2", "T3", "T4")
+TIERS = ("T0", "T1", "T2", "T2w", "T3", "T4")
 
 
 @dataclass
@@ -32,6 +32,11 @@ class TierMetrics:
     hot_key_promotions: int = 0  # T2 -> T1
     hot_key_demotions: int = 0  # T1 -> T2
     spilled_pages: int = 0  # host -> disk (T4)
+    compressed_pages: int = 0  # full-precision device pages encoded into the warm sub-tier (T2w)
+    warm_reads: int = 0  # warm pages decoded on the attention path
+    warm_promotions: int = 0  # warm pages that turned hot and were re-fetched exact (T2w -> T2)
+    warm_drops: int = 0  # warm pages released under pressure (their host copy stays)
+    warm_bytes_saved: int = 0  # now: bytes the warm pages would take at full precision minus what they take
     bytes_h2d: int = 0
     bytes_d2h: int = 0
     bytes_disk_read: int = 0
@@ -75,7 +80,7 @@ class TierMetrics:
                     mine[t] = max(mine[t], n)
             elif k == "resident_bytes_trace":
                 self.resident_bytes_trace.extend(v)
-            elif k in ("resident_bytes_max", "summary_bytes"):
+            elif k in ("resident_bytes_max", "summary_bytes", "warm_bytes_saved"):
                 setattr(self, k, max(getattr(self, k), v))
             else:
                 setattr(self, k, getattr(self, k) + v)
@@ -90,6 +95,9 @@ class TierMetrics:
             f"device: fetched {self.fetched_pages}, evicted {self.evicted_pages} (write-backs {self.writebacks}); "
             f"migration: promotions {self.promotions}, demotions {self.demotions}; T1 in {self.hot_key_promotions}, "
             f"out {self.hot_key_demotions}; spilled to disk {self.spilled_pages}",
+            f"warm (compressed) sub-tier: compressed {self.compressed_pages}, decoded for attention "
+            f"{self.warm_reads}, promoted {self.warm_promotions}, dropped {self.warm_drops}; saving "
+            f"{self.warm_bytes_saved / mib:.2f} MiB now",
             f"moved: host->device {self.bytes_h2d / mib:.2f} MiB, device->host {self.bytes_d2h / mib:.2f} MiB, "
             f"disk read {self.bytes_disk_read / mib:.2f} MiB, disk write {self.bytes_disk_write / mib:.2f} MiB",
             f"resident device bytes: max {self.resident_bytes_max / mib:.2f} MiB; page summaries "

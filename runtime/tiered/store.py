@@ -156,3 +156,41 @@ class DiskPool(TierPool):
             del self.mm
             self.mm = None
         self.path.unlink(missing_ok=True)
+
+
+class WarmPool(TierPool):
+    """The warm sub-tier of T2: pages encoded with a KV codec (``tieredkv.plugins.codec``),
+    one uint8 row of ``page_bytes`` per (layer, slot) in the documented byte layout
+    (docs/codec.md). Fixed capacity (the bytes the device budget gives it)."""
+
+    def __init__(self, num_layers: int, codec, shape: tuple[int, int, int], capacity: int, *,
+                 device: str = "cpu") -> None:
+        from tieredkv.plugins.codec import page_bytes
+
+        self.name, self.num_layers = "warm", num_layers
+        self.codec, self.shape = codec, shape
+        self.page_shape = (page_bytes(codec, *shape),)
+        self.dtype, self.device, self.pin = torch.uint8, device, False
+        self.max_capacity = capacity
+        self.data = self._new(capacity)
+        self.owner = torch.full((num_layers, capacity), -1, dtype=torch.long)
+        self.element_size = 1
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one encoded page (K + V) of one layer, alignment included."""
+        return self.page_shape[0]
+
+    def _grow(self, needed: int) -> None:  # fixed capacity: alloc() returns None instead
+        raise AssertionError("the warm pool does not grow")
+
+    def read(self, layers: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded K, V [N, KVH, P, D] float32."""
+        from tieredkv.plugins.codec import decode_pages
+
+        return decode_pages(self.data[layers, slots], self.codec, self.shape)
+
+    def write(self, layers: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        from tieredkv.plugins.codec import encode_pages
+
+        self.data[layers, slots] = encode_pages(k, v, self.codec).to(self.data.device)

@@ -1,0 +1,123 @@
+"""The warm sub-tier of T2 (issue #4): cold pages compressed with a KV codec inside the
+device budget — more pages resident in the same bytes, decoded on the attention path
+exactly as the codec reference decodes them, re-fetched exact from the host when they
+turn hot, every byte accounted."""
+
+import pytest
+import torch
+
+from helpers import tiny_model
+from tieredkv.models.llama import prefill
+from tieredkv.plugins.codec import CODECS, decode_pages, encode_pages
+from tieredkv.runtime.paged import PagedKVCache
+from tieredkv.runtime.tiered.cache import TieredKVCache
+from tieredkv.runtime.tiered.config import TieredKVConfig
+
+SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2)
+MODEL = tiny_model(seed=3)
+L = MODEL.config.num_layers
+
+
+def warm_cache(codec="int4", budget="30%", fraction=0.5, full_tokens=240, **kw):
+    cfg = TieredKVConfig(policy="lfu-importance", device_budget=budget, warm_codec=codec, warm_fraction=fraction,
+                         **SMALL, **kw)
+    return TieredKVCache(MODEL.kv_spec(), cfg, full_tokens=full_tokens)
+
+
+def decode_after_prefill(cache, sid, n_prompt, n_decode):
+    gen = torch.Generator().manual_seed(1)
+    prefill(MODEL, cache, sid, torch.randint(0, 512, (n_prompt,), generator=gen), chunk_size=32)
+    for i in range(n_decode):
+        MODEL(torch.randint(0, 512, (1, 1), generator=gen), torch.tensor([[n_prompt + i]]), cache, [sid])
+        cache.mgr.check_invariants()
+
+
+def host_copy(mgr, layer, rec):
+    lr = torch.tensor([layer]), torch.tensor([rec])
+    k, v = mgr._source_read(*lr, count=torch.zeros(1, dtype=torch.bool))
+    return k[0], v[0]
+
+
+@pytest.mark.parametrize("codec", sorted(CODECS))
+def test_more_pages_in_the_same_bytes(codec):
+    """The budget counts encoded bytes: the warm pages fit in the bytes given up by the full-
+    precision region, and the device holds more pages in total."""
+    cache = warm_cache(codec, budget="60%")
+    b, mgr = cache.budgets, cache.mgr
+    assert b.warm_pages > 0 and b.warm_given > 0
+    assert b.warm_pages * mgr.warm.page_bytes <= b.warm_given * mgr.page_bytes
+    assert b.resident_pages + b.warm_pages > b.device_pages - b.staging_pages
+    assert b.attention_pages == b.resident_pages + b.warm_pages
+
+
+@pytest.mark.parametrize("codec", ["int4", "fp8-r2", "fp8-r2-delta"])
+def test_warm_pages_decode_like_the_codec_and_stay_in_budget(codec):
+    cache = warm_cache(codec, attention_budget=10**6)
+    sid = cache.add_sequence()
+    decode_after_prefill(cache, sid, 200, 24)
+    mgr, m = cache.mgr, cache.metrics
+    mgr.check_invariants()
+    assert m.compressed_pages > 0 and m.warm_reads > 0 and m.pages_per_tier["T2w"] > 0
+    b = cache.budgets
+    assert m.resident_bytes_max <= (b.device_pages - b.staging_pages) * mgr.page_bytes * L
+    assert m.warm_bytes_saved == m.pages_per_tier["T2w"] * (mgr.page_bytes - mgr.warm.page_bytes) > 0
+    assert m.bytes_per_tier["T2w"] == m.pages_per_tier["T2w"] * mgr.warm.page_bytes
+    # every warm page: what attention reads == the codec reference applied to the exact host copy
+    shape = mgr.warm.shape
+    for layer in (0, L - 1):
+        recs = (mgr.warm_slot[layer] >= 0).nonzero().flatten()
+        assert len(recs) > 0
+        k, v = mgr.read_warm(layer, recs)
+        exact = [host_copy(mgr, layer, int(r)) for r in recs]
+        ek, ev = torch.stack([e[0] for e in exact]), torch.stack([e[1] for e in exact])
+        rk, rv = decode_pages(encode_pages(ek, ev, CODECS[codec]), CODECS[codec], shape)
+        assert torch.equal(k, rk) and torch.equal(v, rv)
+        assert not torch.equal(k, ek.float())  # lossy: really compressed
+
+
+def test_hot_warm_page_is_refetched_exact():
+    cache = warm_cache("int2", attention_budget=10**6)
+    sid = cache.add_sequence()
+    prefill(MODEL, cache, sid, torch.arange(200) % 500, chunk_size=32)
+    mgr = cache.mgr
+    layer = 1
+    rec = int((mgr.warm_slot[layer] >= 0).nonzero().flatten()[0])
+    exact_k, exact_v = host_copy(mgr, layer, rec)
+    mgr.win_access[layer, rec] = cache.config.promote_accesses
+    mgr.importance[layer, rec] = 0.99
+    h2d = mgr.metrics.bytes_h2d
+    mgr._promote_warm()
+    assert mgr.warm_slot[layer, rec] == -1 and mgr.dev_slot[layer, rec] >= 0
+    assert mgr.metrics.warm_promotions >= 1 and mgr.metrics.bytes_h2d > h2d
+    k, v = mgr.device.read(torch.tensor([layer]), mgr.dev_slot[layer, rec].view(1))
+    assert torch.equal(k[0], exact_k) and torch.equal(v[0], exact_v)
+    mgr.check_invariants()
+    cache.free_sequence(sid)
+    assert int(mgr.warm.used().sum()) == 0 and int(mgr.device.used().sum()) == 0
+
+
+def test_warm_fraction_one_compresses_everything_but_t0():
+    """warm_fraction=1 with a budget of the whole sequence: every page outside T0's
+    reservation is warm
+    (the codec-quality protocol of tools/eval/codec_quality.py)."""
+    cache = warm_cache("fp8-r2", budget=200, fraction=1.0, full_tokens=200, attention_budget=10**6)
+    sid = cache.add_sequence()
+    prefill(MODEL, cache, sid, torch.arange(200) % 500, chunk_size=32)
+    counts = cache.mgr.tier_counts()
+    pages = -(-200 // SMALL["page_size"])
+    assert sum(counts.values()) == pages * L and counts["T3"] == 0
+    # the full-precision region is only T0's reservation (+ the page being allocated)
+    assert cache.budgets.resident_pages == cache.config.t0_pages + 1
+    assert counts["T0"] + counts["T1"] + counts["T2"] <= cache.budgets.resident_pages * L
+
+
+def test_float16_storage_halves_the_bytes_and_stays_close():
+    tokens = torch.randint(0, 512, (120,), generator=torch.Generator().manual_seed(2))
+    paged = PagedKVCache(MODEL.kv_spec())
+    half = TieredKVCache(MODEL.kv_spec(), TieredKVConfig(kv_dtype="float16", **SMALL))
+    a = prefill(MODEL, paged, paged.add_sequence(), tokens, chunk_size=40, all_logits=True)
+    b = prefill(MODEL, half, half.add_sequence(), tokens, chunk_size=40, all_logits=True)
+    assert half.mgr.device.k.dtype == torch.float16
+    assert half.kv_bytes() * 2 == TieredKVCache(MODEL.kv_spec(), TieredKVConfig(**SMALL)).mgr.page_bytes * \
+        half.mgr.device.used().sum().item()
+    assert 0 < (a - b).abs().max().item() < 5e-2
