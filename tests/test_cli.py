@@ -93,6 +93,19 @@ def test_generate_tiered_flags(tiny_gguf, tmp_path, capsys):
     assert "hits" in captured.err  # --stats prints the metrics
 
 
+def test_generate_warm_codec_flags(tiny_gguf, capsys):
+    argv = ["generate", "--model", tiny_gguf, "--prompt", "the cat sat on the mat and the sun rose " * 30,
+            "--max-new-tokens", "8", "--kv-budget", "60%", "--warm-codec", "int4", "--warm-fraction", "0.6",
+            "--kv-dtype", "float16", "--page-size", "8", "--stats", "--json"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    d = json.loads(captured.out.strip().splitlines()[-1])
+    assert d["kv_config"]["warm_codec"] == "int4" and d["kv_config"]["kv_dtype"] == "float16"
+    assert d["tier_metrics"]["compressed_pages"] > 0 and "warm (compressed) sub-tier" in captured.err
+    assert main(["generate", "--model", tiny_gguf, "--prompt", "x", "--warm-codec", "zstd"]) == 2
+    assert "unknown warm_codec 'zstd'" in capsys.readouterr().err
+
+
 def test_kv_config_file_and_errors(tiny_gguf, tmp_path, capsys):
     cfg = tmp_path / "kv.yaml"
     cfg.write_text("policy: lru\nmode: exact\nrecent_tokens: 16\n")

@@ -121,3 +121,17 @@ def test_float16_storage_halves_the_bytes_and_stays_close():
     assert half.kv_bytes() * 2 == TieredKVCache(MODEL.kv_spec(), TieredKVConfig(**SMALL)).mgr.page_bytes * \
         half.mgr.device.used().sum().item()
     assert 0 < (a - b).abs().max().item() < 5e-2
+
+
+def test_memoized_decoding_changes_nothing(monkeypatch):
+    """The CPU evaluation aid (WarmPool.memoize_decoded) gives bit-identical logits."""
+    from tieredkv.runtime.tiered.store import WarmPool
+
+    tokens = torch.randint(0, 512, (160,), generator=torch.Generator().manual_seed(5))
+    outs = []
+    for memo in (False, True):
+        monkeypatch.setattr(WarmPool, "memoize_decoded", memo)
+        cache = warm_cache("int4", budget="60%", attention_budget=10**6, full_tokens=160)
+        outs.append(prefill(MODEL, cache, cache.add_sequence(), tokens, chunk_size=24, all_logits=True))
+        assert cache.metrics.warm_reads > 0
+    assert torch.equal(outs[0], outs[1])

@@ -58,6 +58,13 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", default=None, help="replacement policy (default lfu-importance); see docs/tiers.md")
     g.add_argument("--mode", default=None, choices=["exact", "masked"],
                    help="exact: fetch a needed non-resident page before use; masked: skip it and count the miss")
+    g.add_argument("--warm-codec", default=None,
+                   help="compress cold device pages with this KV codec (fp8, fp8-r2, int6-r2, int4, int2, "
+                        "fp8-r2-delta; docs/codec.md) in a warm share of the device budget")
+    g.add_argument("--warm-fraction", type=float, default=None,
+                   help="share of the device budget beyond T0 that holds compressed pages (default 0.5)")
+    g.add_argument("--kv-dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="dtype the tiered cache stores pages in (default: the model's)")
     g.add_argument("--kv-config", default=None, help="TieredKVConfig as TOML or YAML; flags override its values")
     g.add_argument("--stats", action="store_true", help="print the tier metrics (and include them in --json)")
 
@@ -67,7 +74,8 @@ def _kv_config(args: argparse.Namespace):
     from tieredkv.runtime.tiered.config import TieredKVConfig
 
     flags = {"device_budget": args.kv_budget, "attention_budget": args.attention_budget, "policy": args.policy,
-             "mode": args.mode}
+             "mode": args.mode, "warm_codec": args.warm_codec, "warm_fraction": args.warm_fraction,
+             "kv_dtype": args.kv_dtype}
     if args.kv_config is None and not args.stats and all(v is None for v in flags.values()):
         return None
     base = TieredKVConfig.from_file(args.kv_config) if args.kv_config else TieredKVConfig()

@@ -584,7 +584,9 @@ class TierManager:
         if self.disk is not None:
             state["disk"] = (self.disk.mm.copy(), self.disk.owner.clone())
         if self.warm is not None:
-            state["warm"] = (self.warm.data.clone(), self.warm.owner.clone())
+            memo = getattr(self.warm, "_memo", None)
+            state["warm"] = (self.warm.data.clone(), self.warm.owner.clone(),
+                             None if memo is None else tuple(t.clone() for t in memo))
         return state
 
     def rollback(self, state: dict) -> None:
@@ -604,5 +606,6 @@ class TierManager:
             self.disk.mm[: data.shape[0]] = data
             self.disk.owner = owner.clone()
         if self.warm is not None:
-            data, owner = state["warm"]
+            data, owner, memo = state["warm"]
             self.warm.data, self.warm.owner = data.clone(), owner.clone()
+            self.warm._memo = None if memo is None else tuple(t.clone() for t in memo)

@@ -184,13 +184,29 @@ class WarmPool(TierPool):
     def _grow(self, needed: int) -> None:  # fixed capacity: alloc() returns None instead
         raise AssertionError("the warm pool does not grow")
 
+    #: CPU evaluation aid (off by default): keep each warm page's decoded float32 copy
+    #: beside its bytes so attention decodes a page once instead of every step. Numerics
+    #: are identical (decoding is deterministic); budgets and accounting still count only
+    #: the encoded bytes. A GPU kernel decodes on the fly instead.
+    memoize_decoded: bool = False
+
     def read(self, layers: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoded K, V [N, KVH, P, D] float32."""
         from tieredkv.plugins.codec import decode_pages
 
-        return decode_pages(self.data[layers, slots], self.codec, self.shape)
+        memo = getattr(self, "_memo", None)
+        if memo is None:
+            return decode_pages(self.data[layers, slots], self.codec, self.shape)
+        return memo[0][layers, slots], memo[1][layers, slots]
 
     def write(self, layers: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        from tieredkv.plugins.codec import encode_pages
+        from tieredkv.plugins.codec import decode_pages, encode_pages
 
-        self.data[layers, slots] = encode_pages(k, v, self.codec).to(self.data.device)
+        data = encode_pages(k, v, self.codec).to(self.data.device)
+        self.data[layers, slots] = data
+        if self.memoize_decoded:
+            if getattr(self, "_memo", None) is None:
+                shape = (self.num_layers, self.capacity, *self.shape)
+                self._memo = (torch.zeros(shape), torch.zeros(shape))
+            dk, dv = decode_pages(data, self.codec, self.shape)
+            self._memo[0][layers, slots], self._memo[1][layers, slots] = dk, dv
