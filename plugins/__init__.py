@@ -1,5 +1,6 @@
 """tieredkv.plugins: the op specs as PyTorch references (the semantics every ONNX function
-and CUDA kernel must match)."""
+and CUDA kernel must match); the ONNX forms live in ``onnx_codec`` and ``onnx_ops``
+(import them explicitly: they need the ``onnx`` extra). Specs: docs/plugins.md."""
 
 from tieredkv.plugins.attention import attention_over_pages, merge_attention, tiered_attention
 from tieredkv.plugins.importance import (

@@ -28,10 +28,10 @@ EXACT_TOKENS = 16
 def distance_bucket(distance: torch.Tensor, num_buckets: int) -> torch.Tensor:
     """Log-spaced bucket of a non-negative token distance: 0 for d < 16, then one bucket
     per doubling, the last bucket open-ended."""
-    d = distance.clamp(min=0).float()
-    b = torch.floor(torch.log2(d.clamp(min=EXACT_TOKENS) / EXACT_TOKENS)) + 1
-    b = torch.where(d < EXACT_TOKENS, torch.zeros_like(b), b)
-    return b.clamp(max=num_buckets - 1).long()
+    # exact for integer distances: the number of thresholds 16 * 2^(i-1), i = 1..NB-1, reached
+    # (a float32 log2 rounds up just below large powers of two)
+    thresholds = EXACT_TOKENS * 2.0 ** torch.arange(num_buckets - 1, dtype=torch.float64)
+    return (distance.double().unsqueeze(-1) >= thresholds).sum(-1)
 
 
 def cosine_position_init(num_buckets: int) -> torch.Tensor:

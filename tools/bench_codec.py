@@ -1,7 +1,7 @@
 """KV page codecs on real SmolLM2 keys and values: bits per value, compression ratio,
 reconstruction error, attention-output error, encode/decode throughput on this CPU.
 
-    python tools/bench_codec.py [--tokens 2048] [--out results/codec]
+    python tools/bench_codec.py [--tokens 2048] [--threads N] [--out results/codec]
 
 K/V come from one prefill of the Paul Graham essays; every full page (16 tokens) of
 every layer is encoded and decoded with each codec. Errors: relative L2 of K and of V
@@ -58,8 +58,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--queries", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default="results/codec")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     loaded = load_checkpoint(resolve_model(None, log=lambda m: print(m, file=sys.stderr)))
     model, cfg = loaded.model, loaded.config
     ids = loaded.tokenizer.encode(pg_essays_text(), add_bos=False)[: args.tokens]

@@ -1,0 +1,284 @@
+"""TieredAttention, ImportanceScore and KVAppend as ONNX nodes: custom domain ``tieredkv``,
+node attributes ``plugin_namespace`` / ``plugin_version`` (TensorRT >= 10.15 swaps in the
+registered plugin when they are set), and a local-function body of standard ops (opset 21)
+that ONNX Runtime, onnx.reference and polygraphy run anywhere. The bodies compute what the
+PyTorch references compute (`tieredkv.plugins.attention.tiered_attention`,
+`tieredkv.plugins.importance.importance_score`, :func:`kv_append` below); the tests
+compare them in ONNX Runtime CPU (`tests/test_onnx_ops.py`). Spec: ``docs/plugins.md``.
+
+    TieredAttention<scale>(q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past)
+        -> out [B, H, T, D], lse [B, H, T], page_probs [B, H, T, M]
+    ImportanceScore<weights, scale>(q, kmin, kmax, page_tokens, distance, saliency, page_mask,
+                                    position_table) -> score [B, M]
+    KVAppend(k_pool, v_pool, k_new, v_new, slot, offset) -> k_pool_out, v_pool_out
+
+All sizes are dynamic: the bodies read them with Shape/Gather and build every reshape
+target from them.
+"""
+
+from __future__ import annotations
+
+import torch
+from onnx import AttributeProto, FunctionProto, ModelProto, TensorProto, helper
+
+from tieredkv.plugins.importance import EXACT_TOKENS
+from tieredkv.plugins.onnx_codec import DOMAIN, OPSET, PLUGIN_NAMESPACE, PLUGIN_VERSION, _Body
+
+__all__ = ["DOMAIN", "PLUGIN_NAMESPACE", "PLUGIN_VERSION", "OPSET", "TIERED_ATTENTION", "IMPORTANCE_SCORE",
+           "KV_APPEND", "kv_append", "tiered_attention_function", "tiered_attention_model",
+           "importance_score_function", "importance_score_model", "kv_append_function", "kv_append_model"]
+
+TIERED_ATTENTION = "TieredAttention"
+IMPORTANCE_SCORE = "ImportanceScore"
+KV_APPEND = "KVAppend"
+#: attributes every node of this module carries (declared by the functions, set on the node)
+PLUGIN_ATTRS = ["plugin_namespace", "plugin_version"]
+
+_I64 = TensorProto.INT64
+_F32 = TensorProto.FLOAT
+
+
+def kv_append(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+              slot: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KVAppend — reference semantics: write N new tokens into the page pool.
+
+    * ``k_pool``, ``v_pool`` [C, KVH, P, D] — the page pool (any dtype; not modified);
+    * ``k_new``, ``v_new`` [N, KVH, D] — the new tokens' keys / values (pool dtype);
+    * ``slot`` [N] int64 — pool page of token n, in ``[0, C)``;
+    * ``offset`` [N] int64 — slot inside the page of token n, in ``[0, P)``.
+
+    Returns new tensors ``k_pool_out``, ``v_pool_out`` [C, KVH, P, D] equal to the pools except
+    ``pool_out[slot[n], :, offset[n], :] = new[n]``. The (slot, offset) pairs must be distinct
+    (which of two writes to one place wins is unspecified, as for ONNX ScatterND).
+    """
+    k_out, v_out = k_pool.clone(), v_pool.clone()
+    k_out[slot, :, offset] = k_new.to(k_out.dtype)
+    v_out[slot, :, offset] = v_new.to(v_out.dtype)
+    return k_out, v_out
+
+
+# --- body-building helpers ------------------------------------------------------------------
+
+
+def _attr_const(b: _Body, attr: str, kind: str) -> str:
+    """A Constant whose value is the calling node's attribute ``attr`` (``kind``: value_float /
+    value_floats)."""
+    out = b._name(attr)
+    node = helper.make_node("Constant", [], [out])
+    attr_type = AttributeProto.FLOAT if kind == "value_float" else AttributeProto.FLOATS
+    node.attribute.append(helper.make_attribute_ref(kind, attr_type, ref_attr_name=attr))
+    b.nodes.append(node)
+    return out
+
+
+def _dim(b: _Body, x: str, i: int) -> str:
+    """Dimension i of x as a 1-D int64 tensor of one element (ready for Concat)."""
+    return b.op("Shape", x, start=i, end=i + 1)
+
+
+def _shape(b: _Body, *dims: str) -> str:
+    return b.op("Concat", *dims, axis=0)
+
+
+def _scalar(b: _Body, one: str) -> str:
+    """[1] -> [] (for Range)."""
+    return b.op("Squeeze", one, b.const([0], _I64))
+
+
+def _unsqueeze(b: _Body, x: str, *axes: int) -> str:
+    return b.op("Unsqueeze", x, b.const(list(axes), _I64))
+
+
+def _masked_softmax(b: _Body, logits: str, allowed: str) -> tuple[str, str]:
+    """Softmax over the last axis of ``logits`` restricted to ``allowed`` (bool, broadcastable).
+    Rows with no allowed entry give probabilities 0 and log-sum-exp -inf (no NaN).
+    Returns (probs, lse with keepdims=1)."""
+    axes = b.const([-1], _I64)
+    masked = b.op("Where", allowed, logits, b.const(float("-inf")))
+    seen = b.op("Cast", b.op("ReduceMax", b.op("Cast", allowed, to=_F32), axes, keepdims=1), to=TensorProto.BOOL)
+    mx = b.op("Where", seen, b.op("ReduceMax", masked, axes, keepdims=1), b.const(0.0))
+    e = b.op("Exp", b.op("Sub", masked, mx))  # exp(-inf) = 0 on removed entries
+    total = b.op("Where", seen, b.op("ReduceSum", e, axes, keepdims=1), b.const(1.0))  # rows seeing nothing: 0 / 1
+    probs = b.op("Div", e, total)
+    lse = b.op("Where", seen, b.op("Add", b.op("Log", total), mx), b.const(float("-inf")))
+    return probs, lse
+
+
+def _function(name: str, inputs: list[str], outputs: list[str], b: _Body, attrs: list[str]) -> FunctionProto:
+    return helper.make_function(DOMAIN, name, inputs, outputs, b.nodes, [helper.make_opsetid("", OPSET)],
+                                attributes=attrs + PLUGIN_ATTRS)
+
+
+def _model(fn: FunctionProto, ins: list[tuple[str, int, list]], outs: list[tuple[str, int, list]],
+           **attrs) -> ModelProto:
+    node = helper.make_node(fn.name, [n for n, _, _ in ins], [n for n, _, _ in outs], domain=DOMAIN,
+                            plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION, **attrs)
+    graph = helper.make_graph([node], f"{fn.name}_graph",
+                              [helper.make_tensor_value_info(n, t, s) for n, t, s in ins],
+                              [helper.make_tensor_value_info(n, t, s) for n, t, s in outs])
+    return helper.make_model(graph, functions=[fn], opset_imports=[helper.make_opsetid("", OPSET),
+                                                                   helper.make_opsetid(DOMAIN, 1)])
+
+
+# --- TieredAttention ------------------------------------------------------------------------
+
+_ATTN_INPUTS = ["q", "k_pool", "v_pool", "page_table", "page_mask", "page_index", "seq_len", "past"]
+_ATTN_OUTPUTS = ["out", "lse", "page_probs"]
+
+
+def tiered_attention_function() -> FunctionProto:
+    """``tieredkv::TieredAttention`` (attribute ``scale``: float), equal to
+    ``tiered_attention(..., scale=scale)``.
+
+    Inputs: q [B, H, T, D] float32; k_pool, v_pool [C, KVH, P, D] float32; page_table [B, M]
+    int64; page_mask [B, M] bool; page_index [B, M] int64; seq_len [B] int64; past [B] int64.
+    Outputs: out [B, H, T, D] float32 (0 for a query that sees no key), lse [B, H, T] float32
+    (-inf when nothing is seen), page_probs [B, H, T, M] float32. H must be a multiple of KVH
+    (query head h reads kv head h // (H / KVH)).
+    """
+    b = _Body()
+    B, H, T, D = (_dim(b, "q", i) for i in range(4))
+    KVH, P = _dim(b, "k_pool", 1), _dim(b, "k_pool", 2)
+    M = _dim(b, "page_table", 1)
+    G = b.op("Div", H, KVH)
+    MP = b.op("Mul", M, P)
+    one = b.const([1], _I64)
+    # gather the listed pages: [B, M, KVH, P, D] -> [B, KVH, 1, M*P, D] (the 1 broadcasts over G)
+    kv_shape = _shape(b, B, KVH, one, MP, D)
+
+    def pages(pool: str) -> str:
+        g = b.op("Transpose", b.op("Gather", pool, "page_table", axis=0), perm=[0, 2, 1, 3, 4])
+        return b.op("Reshape", g, kv_shape)
+
+    k, v = pages("k_pool"), pages("v_pool")
+    qg = b.op("Reshape", "q", _shape(b, B, KVH, G, T, D))
+    scale = _attr_const(b, "scale", "value_float")
+    logits = b.op("Mul", b.op("MatMul", qg, b.op("Transpose", k, perm=[0, 1, 2, 4, 3])), scale)  # [B,KVH,G,T,MP]
+    # key position of slot o of listed page m: page_index * P + o -> [B, M*P]
+    p_range = b.op("Range", b.const(0, _I64), _scalar(b, P), b.const(1, _I64))
+    key_pos = b.op("Reshape", b.op("Add", b.op("Mul", _unsqueeze(b, "page_index", 2), P), p_range), _shape(b, B, MP))
+    mask_mp = b.op("Reshape", b.op("Expand", _unsqueeze(b, "page_mask", 2), _shape(b, B, M, P)), _shape(b, B, MP))
+    valid = b.op("And", mask_mp, b.op("Less", key_pos, _unsqueeze(b, "seq_len", 1)))  # [B, MP]
+    t_range = b.op("Range", b.const(0, _I64), _scalar(b, T), b.const(1, _I64))
+    q_pos = b.op("Add", _unsqueeze(b, "past", 1), t_range)  # [B, T]
+    causal = b.op("LessOrEqual", _unsqueeze(b, key_pos, 1), _unsqueeze(b, q_pos, 2))  # [B, T, MP]
+    allowed = b.op("And", _unsqueeze(b, valid, 1), causal)
+    allowed = b.op("Reshape", allowed, _shape(b, B, one, one, T, MP))
+    probs, lse = _masked_softmax(b, logits, allowed)  # [B,KVH,G,T,MP], [B,KVH,G,T,1]
+    b.op("Reshape", b.op("MatMul", probs, v), _shape(b, B, H, T, D), out="out")
+    b.op("Reshape", lse, _shape(b, B, H, T), out="lse")
+    per_page = b.op("ReduceSum", b.op("Reshape", probs, _shape(b, B, KVH, G, T, M, P)), b.const([-1], _I64),
+                    keepdims=0)
+    b.op("Reshape", per_page, _shape(b, B, H, T, M), out="page_probs")
+    return _function(TIERED_ATTENTION, _ATTN_INPUTS, _ATTN_OUTPUTS, b, ["scale"])
+
+
+def tiered_attention_model(scale: float) -> ModelProto:
+    """A one-node model running TieredAttention (all sizes dynamic; the model passes
+    ``scale = D ** -0.5``)."""
+    f, i64, bool_ = _F32, _I64, TensorProto.BOOL
+    ins = [("q", f, ["B", "H", "T", "D"]), ("k_pool", f, ["C", "KVH", "P", "D"]), ("v_pool", f, ["C", "KVH", "P", "D"]),
+           ("page_table", i64, ["B", "M"]), ("page_mask", bool_, ["B", "M"]), ("page_index", i64, ["B", "M"]),
+           ("seq_len", i64, ["B"]), ("past", i64, ["B"])]
+    outs = [("out", f, ["B", "H", "T", "D"]), ("lse", f, ["B", "H", "T"]), ("page_probs", f, ["B", "H", "T", "M"])]
+    return _model(tiered_attention_function(), ins, outs, scale=float(scale))
+
+
+# --- ImportanceScore ------------------------------------------------------------------------
+
+_SCORE_INPUTS = ["q", "kmin", "kmax", "page_tokens", "distance", "saliency", "page_mask", "position_table"]
+
+
+def _distance_bucket(b: _Body, distance: str, num_buckets: str) -> str:
+    """bucket = #{i in 1..NB-1 : d >= 16 * 2^(i-1)} (int64, same shape as ``distance``): the
+    log-spaced bucket of `importance.distance_bucket` computed with exact comparisons (float64
+    thresholds: exact for distances below 2^53). Negative distances fall in bucket 0."""
+    i = b.op("Cast", b.op("Range", b.const(1, _I64), num_buckets, b.const(1, _I64)), to=TensorProto.DOUBLE)
+    thr = b.op("Mul", b.const(float(EXACT_TOKENS), TensorProto.DOUBLE),
+               b.op("Pow", b.const(2.0, TensorProto.DOUBLE), b.op("Sub", i, b.const(1.0, TensorProto.DOUBLE))))
+    d = _unsqueeze(b, b.op("Cast", distance, to=TensorProto.DOUBLE), -1)
+    return b.op("ReduceSum", b.op("Cast", b.op("GreaterOrEqual", d, thr), to=_I64), b.const([-1], _I64), keepdims=0)
+
+
+def importance_score_function() -> FunctionProto:
+    """``tieredkv::ImportanceScore`` (attributes ``weights``: 3 floats (relevance, position,
+    saliency); ``scale``: float), equal to ``importance_score(..., weights, scale=scale)``.
+
+    Inputs: q [B, H, D] float32; kmin, kmax [B, M, KVH, D] float32; page_tokens [B, M] int64;
+    distance [B, M] int64; saliency [B, M] float32; page_mask [B, M] bool; position_table
+    [NB] float32. Output: score [B, M] float32 (0 where page_mask is False).
+    """
+    b = _Body()
+    B, H, D = (_dim(b, "q", i) for i in range(3))
+    KVH, M = _dim(b, "kmin", 2), _dim(b, "kmin", 1)
+    G = b.op("Div", H, KVH)
+    zero = b.const(0.0)
+    # relevance: Quest upper bound sum_d max(q*lo, q*hi) = relu(q) @ hi - relu(-q) @ lo
+    qg = b.op("Reshape", "q", _shape(b, B, KVH, G, D))
+    lo = b.op("Transpose", "kmin", perm=[0, 2, 3, 1])  # [B, KVH, D, M]
+    hi = b.op("Transpose", "kmax", perm=[0, 2, 3, 1])
+    ub = b.op("Sub", b.op("MatMul", b.op("Relu", qg), hi), b.op("MatMul", b.op("Relu", b.op("Neg", qg)), lo))
+    ub = b.op("Reshape", ub, _shape(b, B, H, M))
+    log_len = b.op("Log", b.op("Max", b.op("Cast", "page_tokens", to=_F32), b.const(1.0)))
+    ub = b.op("Add", b.op("Mul", ub, _attr_const(b, "scale", "value_float")), _unsqueeze(b, log_len, 1))
+    share, _ = _masked_softmax(b, ub, _unsqueeze(b, "page_mask", 1))  # [B, H, M]
+    share = b.op("ReduceMax", share, b.const([1], _I64), keepdims=0)  # [B, M]
+    best = b.op("Max", b.op("ReduceMax", share, b.const([-1], _I64), keepdims=1), b.const(1e-30))
+    rel = b.op("Div", share, best)
+    # position: learned value of the distance's log-spaced bucket, clamped to [0, 1]
+    nb = _scalar(b, _dim(b, "position_table", 0))
+    pos = b.op("Clip", b.op("Gather", "position_table", _distance_bucket(b, "distance", nb), axis=0), zero,
+               b.const(1.0))
+    w = _attr_const(b, "weights", "value_floats")
+    w_rel, w_pos, w_sal = (b.op("Gather", w, b.const(i, _I64), axis=0) for i in range(3))
+    rel_term = b.op("Where", b.op("Equal", w_rel, zero), zero, b.op("Mul", w_rel, rel))  # the reference skips w_rel = 0
+    score = b.op("Add", b.op("Add", rel_term, b.op("Mul", w_pos, pos)), b.op("Mul", w_sal, "saliency"))
+    b.op("Where", "page_mask", score, zero, out="score")
+    return _function(IMPORTANCE_SCORE, _SCORE_INPUTS, ["score"], b, ["weights", "scale"])
+
+
+def importance_score_model(weights: tuple[float, float, float], scale: float) -> ModelProto:
+    """A one-node model running ImportanceScore (all sizes dynamic; the model passes
+    ``scale = D ** -0.5``)."""
+    if len(weights) != 3:
+        raise ValueError(f"weights: expected 3 values (relevance, position, saliency), got {len(weights)}")
+    f, i64 = _F32, _I64
+    ins = [("q", f, ["B", "H", "D"]), ("kmin", f, ["B", "M", "KVH", "D"]), ("kmax", f, ["B", "M", "KVH", "D"]),
+           ("page_tokens", i64, ["B", "M"]), ("distance", i64, ["B", "M"]), ("saliency", f, ["B", "M"]),
+           ("page_mask", TensorProto.BOOL, ["B", "M"]), ("position_table", f, ["NB"])]
+    return _model(importance_score_function(), ins, [("score", f, ["B", "M"])],
+                  weights=[float(x) for x in weights], scale=float(scale))
+
+
+# --- KVAppend -------------------------------------------------------------------------------
+
+_APPEND_INPUTS = ["k_pool", "v_pool", "k_new", "v_new", "slot", "offset"]
+_APPEND_OUTPUTS = ["k_pool_out", "v_pool_out"]
+
+
+def kv_append_function() -> FunctionProto:
+    """``tieredkv::KVAppend``, equal to :func:`kv_append`.
+
+    Inputs: k_pool, v_pool [C, KVH, P, D]; k_new, v_new [N, KVH, D] (pool dtype); slot [N]
+    int64; offset [N] int64. Outputs: k_pool_out, v_pool_out [C, KVH, P, D]. One ScatterND
+    per pool with indices [N, KVH, 3] = (slot[n], h, offset[n]) and updates [N, KVH, D].
+    """
+    b = _Body()
+    N, KVH = _dim(b, "k_new", 0), _dim(b, "k_new", 1)
+    shape = _shape(b, N, KVH, b.const([1], _I64))
+    h = b.op("Range", b.const(0, _I64), _scalar(b, KVH), b.const(1, _I64))
+    parts = [b.op("Expand", _unsqueeze(b, "slot", 1, 2), shape),
+             b.op("Expand", _unsqueeze(b, h, 0, 2), shape),
+             b.op("Expand", _unsqueeze(b, "offset", 1, 2), shape)]
+    idx = b.op("Concat", *parts, axis=-1)  # [N, KVH, 3]
+    b.op("ScatterND", "k_pool", idx, "k_new", out="k_pool_out")
+    b.op("ScatterND", "v_pool", idx, "v_new", out="v_pool_out")
+    return _function(KV_APPEND, _APPEND_INPUTS, _APPEND_OUTPUTS, b, [])
+
+
+def kv_append_model(dtype: int = TensorProto.FLOAT) -> ModelProto:
+    """A one-node model running KVAppend on pools of ``dtype`` (all sizes dynamic)."""
+    pool = ["C", "KVH", "P", "D"]
+    ins = [("k_pool", dtype, pool), ("v_pool", dtype, pool), ("k_new", dtype, ["N", "KVH", "D"]),
+           ("v_new", dtype, ["N", "KVH", "D"]), ("slot", _I64, ["N"]), ("offset", _I64, ["N"])]
+    return _model(kv_append_function(), ins, [("k_pool_out", dtype, pool), ("v_pool_out", dtype, pool)])
