@@ -11,6 +11,8 @@ whose outliers live in fixed channels). Variants:
                     quantization residual (its own fp16 scale per group);
 * ``int6-r2``       6-bit symmetric integers + the 2-bit residual;
 * ``int4``          KIVI-style 4-bit asymmetric (fp16 scale and zero point per group);
+* ``int4-g16``      ``int4`` with value groups of 16 instead of 32 (values carry most of
+                    int4's error);
 * ``int2``          KIVI-style 2-bit asymmetric;
 * ``fp8-r2-delta``  the note's "periodic full-precision resync": along the page's tokens,
                     token t stores the difference to token t-1 (quantized as ``fp8-r2``)
@@ -72,6 +74,7 @@ CODECS: dict[str, CodecSpec] = {
         CodecSpec("fp8-r2", "fp8", 8, residual_bits=2),
         CodecSpec("int6-r2", "int", 6, residual_bits=2),
         CodecSpec("int4", "int", 4, asym=True, key_axis="channel", group=32),
+        CodecSpec("int4-g16", "int", 4, asym=True, key_axis="channel", group=16),
         CodecSpec("int2", "int", 2, asym=True, key_axis="channel", group=32),
         CodecSpec("fp8-r2-delta", "fp8", 8, residual_bits=2, keyframe=10),
     )
