@@ -10,6 +10,7 @@ continuation, the question) is seen only afterwards.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
@@ -161,10 +162,17 @@ def tiered_method(model: Llama, config, *, name: str | None = None, prefill_chun
     cache selects and evicts per decode step)."""
     from tieredkv.runtime.tiered.cache import TieredKVCache
 
+    from tieredkv.runtime.tiered.config import KV_DTYPES
+
     spec = model.kv_spec()
     label = name or f"tieredkv-{config.policy}-{config.mode}"
+    stored = dataclasses.replace(spec, dtype=KV_DTYPES[config.kv_dtype]) if config.kv_dtype else spec
     info = {"budget": str(config.device_budget or "100%"), "policy": config.policy, "mode": config.mode,
             "attention_budget": str(config.attention_budget or "device"),
-            "kv_bytes_per_token": spec.token_bytes_per_layer * spec.num_layers}
+            "kv_bytes_per_token": stored.token_bytes_per_layer * stored.num_layers}
+    if config.warm_codec:
+        info.update(warm_codec=config.warm_codec, warm_fraction=config.warm_fraction)
+    if config.kv_dtype:
+        info["kv_dtype"] = config.kv_dtype
     return CacheMethod(model, lambda total: TieredKVCache(spec, config, full_tokens=total), name=label,
                        prefill_chunk=prefill_chunk, teacher_forcing_chunk=1, info=info)
