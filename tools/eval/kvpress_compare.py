@@ -203,6 +203,7 @@ def write_plot(store: dict[str, Any], out_dir: Path) -> Path:
     panels = (("perplexity", "perplexity (last 1/4 of each window)"),
               ("passkey_logprob", "passkey: mean log-prob of the key (nats)"))
     budgets = sorted({r["budget"] for r in rows})
+    colors = plt.get_cmap("tab20")
     for ax, (field, label) in zip(axes, panels):
         by_name: dict[str, list[dict[str, Any]]] = {}
         for r in rows:
@@ -213,7 +214,9 @@ def write_plot(store: dict[str, Any], out_dir: Path) -> Path:
             if any(p["reference"] for p in pts) and len(pts) == 1:
                 ax.axhline(pts[0][field], color="black", linestyle="--", linewidth=1, label=f"{name} (100 %)")
                 continue
-            ax.plot([100 * p["budget"] for p in pts], [p[field] for p in pts], marker="o", label=name)
+            ours = pts[0]["backend"] == "tieredkv"  # our rows: solid squares; presses: dashed circles
+            ax.plot([100 * p["budget"] for p in pts], [p[field] for p in pts], marker="s" if ours else "o",
+                    linestyle="-" if ours else "--", color=colors(len(ax.lines) % 20), label=name)
         ax.set_xscale("log", base=2)
         ax.set_xticks([100 * b for b in budgets])
         ax.set_xticklabels([f"{100 * b:g}" for b in budgets])
