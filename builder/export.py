@@ -51,6 +51,7 @@ from onnx import TensorProto, helper, numpy_helper
 from tieredkv.models.cache import Step
 from tieredkv.models.llama import Llama
 from tieredkv.plugins.attention import tiered_attention
+from tieredkv.plugins.onnx_codec import _Body
 from tieredkv.plugins.onnx_ops import (
     DOMAIN,
     KV_APPEND,
@@ -104,17 +105,13 @@ def decode_output_names(num_layers: int, *, tiered_kv: bool) -> list[str]:
     return names
 
 
-class _Graph:
-    """Nodes, weight initializers and fresh value names of the graph under construction."""
+class _Graph(_Body):
+    """Nodes, weight initializers and fresh value names of the graph under construction
+    (the function-body builder of the plugin ops, plus initializers; constants default to int64)."""
 
     def __init__(self) -> None:
-        self.nodes: list[onnx.NodeProto] = []
+        super().__init__()
         self.initializers: list[onnx.TensorProto] = []
-        self._n = 0
-
-    def _name(self, hint: str) -> str:
-        self._n += 1
-        return f"{hint}_{self._n}"
 
     def weight(self, name: str, tensor: torch.Tensor) -> str:
         array = tensor.detach().to(torch.float32).contiguous().numpy()
@@ -122,16 +119,7 @@ class _Graph:
         return name
 
     def const(self, values: list[int] | float, dtype: int = _I64) -> str:
-        out = self._name("const")
-        dims = [len(values)] if isinstance(values, list) else []
-        vals = values if isinstance(values, list) else [values]
-        self.nodes.append(helper.make_node("Constant", [], [out], value=helper.make_tensor(out, dtype, dims, vals)))
-        return out
-
-    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs) -> str:
-        out = out or self._name(op_type.lower())
-        self.nodes.append(helper.make_node(op_type, list(inputs), [out], **attrs))
-        return out
+        return super().const(values, dtype)
 
     def plugin(self, op_type: str, inputs: list[str], outputs: list[str], name: str, **attrs) -> None:
         self.nodes.append(helper.make_node(op_type, inputs, outputs, name=name, domain=DOMAIN,
