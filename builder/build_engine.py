@@ -1,22 +1,32 @@
 """Build an engine directory from a Llama checkpoint.
 
     python builder/build_engine.py [--tiered-kv] [--model GGUF_FILE | HF_DIR | NAME] --output ENGINE_DIR
-                                   [--force] [--page-size 16] [--tolerance 1e-3] [--external-data]
+        [--force] [--page-size 16] [--selection-weights 1 0 0] [--tolerance 1e-3] [--external-data]
+        [--max-batch 8 --max-context 8192 --prefill-chunk 512 --precision fp16 --plugin-library PATH]
 
 ``--model`` omitted builds the default model (SmolLM2-135M-Instruct, pulled on first use).
-ENGINE_DIR receives ``decode.onnx`` (the decode-step graph of `builder.export`; with
-``--tiered-kv`` it also returns the per-layer page attention mass) and ``config.json``
+ENGINE_DIR receives ``step.onnx`` (the step graph of `tieredkv.builder.export`, one graph for
+decode steps and chunked-prefill steps; with ``--tiered-kv`` it scores and selects pages
+and returns their attention mass), the tokenizer (``tokenizer/``) and ``config.json``
 (model config, tiered flag, op versions, build options, opset, date). After export the
-builder runs the graph in ONNX Runtime on random pools, pages and masks and compares it
-with the PyTorch reference model; over ``--tolerance`` on the logits the build fails.
+builder runs the graph in ONNX Runtime on random pools, pages, masks and budgets — a
+decode step and a 3-token prefill step — and compares every output with the PyTorch
+reference; over ``--tolerance`` on the logits (or any differing page selection) the build
+fails.
+
+TensorRT: where ``tensorrt`` is importable the builder also builds ``step.plan`` — it loads
+the plugin library (``--plugin-library``, the tieredkv plugins built from plugins/ with
+CMake), checks the three plugin creators are registered (the parser then maps the nodes,
+which carry ``plugin_namespace`` / ``plugin_version``, to them instead of inlining their
+function bodies), enables FP16/BF16 (``--precision``) and adds two optimization profiles
+from ``--max-batch`` / ``--max-context`` / ``--prefill-chunk`` (decode: T = 1; prefill: T up
+to the chunk). Where it is not importable the build ends after the ONNX engine and says
+what was built and the command that builds the TensorRT engine on a GPU machine.
 
 The directory appears atomically: everything is built in a temporary sibling that is
 renamed into place at the end; on any failure nothing is left behind. Exit status: 0 built,
 1 verification failed or an unexpected error, 2 bad input (missing checkpoint, existing
 ENGINE_DIR without --force, unwritable output, unsupported model). Never a traceback.
-
-TensorRT: where ``tensorrt`` is not importable the build ends after the ONNX engine and
-says so; the TensorRT engine is built on a GPU machine.
 """
 
 from __future__ import annotations
@@ -31,16 +41,22 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `builder` as a package when run as a script
+if __package__ in (None, ""):  # run as a script from a checkout: import the installed package's modules
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tieredkv.errors import TieredKVError  # noqa: E402
+from tieredkv.runtime.engine import (  # noqa: E402
+    CONFIG_FILE,
+    ENGINE_FORMAT,
+    ENGINE_FORMAT_VERSION,
+    STEP_GRAPH,
+    TRT_ENGINE,
+)
 
 EXIT_VERIFY, EXIT_INPUT = 1, 2
-DECODE_GRAPH = "decode.onnx"
-ENGINE_FORMAT = "tieredkv-engine"
-ENGINE_FORMAT_VERSION = 1
-#: the random verification batch: tokens per sequence (new one included), awkward on purpose
-VERIFY_SEQ_LENS = (45, 17, 3)
+TOKENIZER_DIR = "tokenizer"
+#: the random verification batches: (tokens per sequence with the new ones, new tokens), awkward on purpose
+VERIFY_STEPS = (((45, 17, 3), 1), ((21, 9), 3))
 
 
 class VerificationError(TieredKVError):
@@ -56,7 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="build_engine.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiered-kv", action="store_true",
-                    help="tiered graph: page_mask is residency and selection, outputs the page attention mass")
+                    help="tiered graph: ImportanceScore + selection within the attention budget; outputs the "
+                         "selection, relevance and attention mass of every page")
     ap.add_argument("--model", default=None,
                     help="a .gguf file, a Hugging Face model directory or a model name (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--output", required=True, type=Path, help="the engine directory to create")
@@ -65,12 +82,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tolerance", type=float, default=1e-3,
                     help="largest allowed |logits(ORT) - logits(PyTorch)| in the verification (default 1e-3)")
     ap.add_argument("--external-data", action="store_true",
-                    help="store the weights in decode.onnx.data even below 2 GB (always done above)")
+                    help=f"store the weights in {STEP_GRAPH}.data even below 2 GB (always done above)")
+    ap.add_argument("--selection-weights", type=float, nargs=3, default=[1.0, 0.0, 0.0],
+                    metavar=("REL", "POS", "SAL"),
+                    help="ImportanceScore mix that ranks pages for the attention budget (the runtime's "
+                         "selection_weights; default 1 0 0)")
+    trt = ap.add_argument_group("TensorRT (used only where tensorrt is importable)")
+    trt.add_argument("--max-batch", type=int, default=8, help="largest batch of the optimization profiles")
+    trt.add_argument("--max-context", type=int, default=8192, help="longest sequence (tokens) of the profiles")
+    trt.add_argument("--prefill-chunk", type=int, default=512, help="largest prefill step (tokens) of the profiles")
+    trt.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp16",
+                     help="TensorRT builder precision flag (default fp16)")
+    trt.add_argument("--plugin-library", type=Path, default=None,
+                     help="the tieredkv TensorRT plugin library (libtieredkv_plugins.so from plugins/ with CMake)")
     args = ap.parse_args(argv)
     if args.page_size <= 0:
         ap.error(f"--page-size must be a positive integer, got {args.page_size}")
     if not args.tolerance >= 0:
         ap.error(f"--tolerance must be >= 0, got {args.tolerance}")
+    if any(not w >= 0 for w in args.selection_weights):
+        ap.error(f"--selection-weights must be >= 0, got {args.selection_weights}")
+    for name in ("max_batch", "max_context", "prefill_chunk"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     return args
 
 
@@ -93,28 +127,32 @@ def _layers_progress(total: int):
     return wrap
 
 
-def verify(model, path: Path, *, tiered_kv: bool, page_size: int, tolerance: float) -> dict:
+def verify(model, path: Path, *, options, tolerance: float) -> dict:
     """Run the graph at ``path`` in ONNX Runtime and the reference model on the same random
-    inputs; returns the max abs errors; raises VerificationError over ``tolerance``."""
+    inputs (:data:`VERIFY_STEPS`: a decode step and a prefill step); returns the max abs
+    error per output; raises VerificationError over ``tolerance`` on the logits or when a
+    page selection differs."""
     import numpy as np
     import torch
 
-    from builder.export import random_decode_inputs, reference_decode_step, run_onnx
+    from tieredkv.builder.export import random_step_inputs, reference_step, run_onnx
 
-    feeds = random_decode_inputs(model, page_size=page_size, seq_lens=list(VERIFY_SEQ_LENS), tiered_kv=tiered_kv,
-                                 seed=0, model_kv=True)
-    got = run_onnx(path, feeds, threads=torch.get_num_threads())
-    want = reference_decode_step(model, feeds, tiered_kv=tiered_kv)
-    errors = {"logits": float(np.abs(got["logits"] - want["logits"]).max())}
-    pools = [k for k in want if k.startswith(("k_pool_out", "v_pool_out"))]
-    errors["pools"] = max(float(np.abs(got[k] - want[k]).max()) for k in pools)
-    if tiered_kv:
-        mass = [k for k in want if k.startswith("page_mass")]
-        errors["page_mass"] = max(float(np.abs(got[k] - want[k]).max()) for k in mass)
+    errors: dict[str, float] = {}
+    for seed, (seq_lens, new_tokens) in enumerate(VERIFY_STEPS):
+        feeds = random_step_inputs(model, page_size=options.page_size, seq_lens=list(seq_lens), new_tokens=new_tokens,
+                                   tiered_kv=options.tiered_kv, seed=seed, model_kv=True)
+        got = run_onnx(path, feeds, threads=torch.get_num_threads())
+        want = reference_step(model, feeds, tiered_kv=options.tiered_kv, selection_weights=options.selection_weights)
+        for name in want:
+            err = float(np.abs(got[name].astype(np.float64) - want[name].astype(np.float64)).max())
+            errors[name] = max(errors.get(name, 0.0), err)
     if not np.isfinite(errors["logits"]) or errors["logits"] > tolerance:
         raise VerificationError(
             f"ONNX Runtime logits differ from the PyTorch reference by {errors['logits']:.3g} "
             f"(tolerance {tolerance:g}); the engine was not written")
+    if errors.get("page_selected", 0) != 0:
+        raise VerificationError("ONNX Runtime selects other pages than the PyTorch reference; the engine was not "
+                                "written")
     return errors
 
 
@@ -127,18 +165,18 @@ def build(args: argparse.Namespace) -> Path:
 
     from tieredkv.models.hub import resolve_model
 
-    log(f"[1/5] resolving and loading {args.model or 'the default model'}")
+    log(f"[1/6] resolving and loading {args.model or 'the default model'}")
     source = resolve_model(args.model, log=log)
 
     import onnx
     import torch
 
-    from builder.export import DecodeGraphOptions, build_decode_graph, decode_input_names, decode_output_names
-    from builder.export import initializer_bytes, save_decode_graph
     from tieredkv import __version__
+    from tieredkv.builder.export import (StepGraphOptions, build_step_graph, initializer_bytes, save_step_graph,
+                                         step_input_names, step_output_names)
     from tieredkv.models.loading import load_checkpoint
-    from tieredkv.plugins.onnx_ops import (DOMAIN, KV_APPEND, OPSET, PLUGIN_NAMESPACE, PLUGIN_VERSION,
-                                           TIERED_ATTENTION)
+    from tieredkv.plugins.onnx_ops import (DOMAIN, IMPORTANCE_SCORE, KV_APPEND, OPSET, PLUGIN_NAMESPACE,
+                                           PLUGIN_VERSION, TIERED_ATTENTION)
 
     loaded = load_checkpoint(source)
     model, config = loaded.model, loaded.config
@@ -156,54 +194,152 @@ def build(args: argparse.Namespace) -> Path:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would make the engine private to this user
-        options = DecodeGraphOptions(tiered_kv=args.tiered_kv, page_size=args.page_size)
-        log(f"[2/5] building the {'tiered' if options.tiered_kv else 'plain paged'} decode graph "
+        options = StepGraphOptions(tiered_kv=args.tiered_kv, page_size=args.page_size,
+                                   selection_weights=tuple(args.selection_weights))
+        log(f"[2/6] building the {'tiered' if options.tiered_kv else 'plain paged'} step graph "
             f"(opset {OPSET}, page size {options.page_size})")
-        graph = build_decode_graph(model, options, progress=_layers_progress(config.num_layers))
+        graph = build_step_graph(model, options, progress=_layers_progress(config.num_layers))
         weight_bytes = initializer_bytes(graph)
-        log(f"[3/5] writing {DECODE_GRAPH} ({weight_bytes / 2**20:.0f} MiB of float32 weights)")
-        external = save_decode_graph(graph, tmp / DECODE_GRAPH, external_data=True if args.external_data else None)
+        log(f"[3/6] writing {STEP_GRAPH} ({weight_bytes / 2**20:.0f} MiB of float32 weights) and the tokenizer")
+        external = save_step_graph(graph, tmp / STEP_GRAPH, external_data=True if args.external_data else None)
         del graph
-        log("[4/5] onnx.checker (full check)")
+        if loaded.tokenizer is not None:
+            loaded.tokenizer.save_hf_dir(tmp / TOKENIZER_DIR)
+        log("[4/6] onnx.checker (full check)")
         try:
-            onnx.checker.check_model(str(tmp / DECODE_GRAPH), full_check=True)
+            onnx.checker.check_model(str(tmp / STEP_GRAPH), full_check=True)
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
-            raise VerificationError(f"{DECODE_GRAPH}: the ONNX checker rejects the graph: {exc}") from None
-        log(f"[5/5] verifying in ONNX Runtime against the PyTorch reference (batch {len(VERIFY_SEQ_LENS)}, "
-            f"tokens {list(VERIFY_SEQ_LENS)}: K/V of random prompts on shuffled pages, "
-            f"{'random page masks' if options.tiered_kv else 'every page attended'})")
-        errors = verify(model, tmp / DECODE_GRAPH, tiered_kv=options.tiered_kv, page_size=options.page_size,
-                        tolerance=args.tolerance)
+            raise VerificationError(f"{STEP_GRAPH}: the ONNX checker rejects the graph: {exc}") from None
+        log(f"[5/6] verifying in ONNX Runtime against the PyTorch reference: "
+            + "; ".join(f"batch {len(lens)} x {t} new token(s), tokens {list(lens)}" for lens, t in VERIFY_STEPS)
+            + f" (K/V of random prompts on shuffled pages{', random residency, T0 and budgets' if options.tiered_kv else ''})")
+        errors = verify(model, tmp / STEP_GRAPH, options=options, tolerance=args.tolerance)
         log(f"      max |logits error| = {errors['logits']:.3g} (tolerance {args.tolerance:g}); "
-            f"pools {errors['pools']:.3g}" + (f", page mass {errors['page_mass']:.3g}" if "page_mass" in errors else ""))
+            + ", ".join(f"{k} {v:.3g}" for k, v in errors.items() if k != "logits"))
+        plan, trt_note = build_tensorrt_if_available(tmp / STEP_GRAPH, tmp / TRT_ENGINE, args, config,
+                                                     tiered_kv=options.tiered_kv)
         build_seconds = time.perf_counter() - t_start
+        n = config.num_layers
         engine_config = {
             "format": ENGINE_FORMAT,
             "format_version": ENGINE_FORMAT_VERSION,
             "model": config.to_dict(),
             "source": {"path": str(loaded.source), "format": loaded.format},
             "tiered_kv": options.tiered_kv,
-            "graphs": {"decode": {"file": DECODE_GRAPH, "inputs": decode_input_names(config.num_layers),
-                                  "outputs": decode_output_names(config.num_layers, tiered_kv=options.tiered_kv)}},
+            "tokenizer": TOKENIZER_DIR if loaded.tokenizer is not None else None,
+            "graphs": {"step": {"file": STEP_GRAPH, "steps": ["decode", "prefill"],
+                                "inputs": step_input_names(n, tiered_kv=options.tiered_kv),
+                                "outputs": step_output_names(n, tiered_kv=options.tiered_kv)}},
             "ops": {"domain": DOMAIN, "plugin_namespace": PLUGIN_NAMESPACE,
-                    "versions": {TIERED_ATTENTION: PLUGIN_VERSION, KV_APPEND: PLUGIN_VERSION}},
+                    "versions": {op: PLUGIN_VERSION for op in (TIERED_ATTENTION, KV_APPEND, IMPORTANCE_SCORE)
+                                 if options.tiered_kv or op != IMPORTANCE_SCORE}},
             "opset": OPSET,
-            "build": {"page_size": options.page_size, "dtype": "float32", "external_data": external,
-                      "tolerance": args.tolerance, "verification_max_abs_error": errors,
-                      "tensorrt_engine": None, "seconds": round(build_seconds, 2),
-                      "tieredkv_version": __version__, "onnx_version": onnx.__version__,
-                      "torch_version": torch.__version__},
+            "build": {"page_size": options.page_size, "selection_weights": list(options.selection_weights),
+                      "dtype": "float32", "external_data": external, "tolerance": args.tolerance,
+                      "verification_max_abs_error": errors, "tensorrt_engine": TRT_ENGINE if plan else None,
+                      "tensorrt": trt_note, "plugin_library": str(args.plugin_library) if args.plugin_library else None,
+                      "profiles": tensorrt_profiles(config, page_size=options.page_size, max_batch=args.max_batch,
+                                                    max_context=args.max_context, prefill_chunk=args.prefill_chunk,
+                                                    tiered_kv=options.tiered_kv),
+                      "seconds": round(build_seconds, 2), "tieredkv_version": __version__,
+                      "onnx_version": onnx.__version__, "torch_version": torch.__version__},
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        (tmp / "config.json").write_text(json.dumps(engine_config, indent=2) + "\n")
+        (tmp / CONFIG_FILE).write_text(json.dumps(engine_config, indent=2) + "\n")
         _publish(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_dirs(created)
         raise
-    size = sum(f.stat().st_size for f in output.iterdir())
-    log(f"built {output} ({size / 2**20:.0f} MiB, {time.perf_counter() - t_start:.1f} s): {DECODE_GRAPH} + config.json")
+    size = sum(f.stat().st_size for f in output.rglob("*") if f.is_file())
+    log(f"built {output} ({size / 2**20:.0f} MiB, {time.perf_counter() - t_start:.1f} s): "
+        + ", ".join(sorted(p.name for p in output.iterdir())))
+    log(trt_note)
     return output
+
+
+def tensorrt_profiles(config, *, page_size: int, max_batch: int, max_context: int, prefill_chunk: int,
+                      tiered_kv: bool) -> dict[str, dict[str, list[list[int]]]]:
+    """The two TensorRT optimization profiles of the step graph, as {profile: {input: [min,
+    opt, max]}}: ``decode`` (T = 1) and ``prefill`` (T up to ``prefill_chunk``); B up to
+    ``max_batch``, M up to the pages of ``max_context`` tokens, pools up to every page of the
+    batch twice over (device pool plus the step's staged pages)."""
+    L, kvh, d, p = config.num_layers, config.num_kv_heads, config.head_dim, page_size
+    m_max = -(-max_context // p)
+    c_max = 2 * max_batch * m_max
+    b = (1, max(1, max_batch // 2), max_batch)
+    m = (1, max(1, m_max // 2), m_max)
+    c = (1, max(1, c_max // 2), c_max)
+    out = {}
+    for name, t in (("decode", (1, 1, 1)), ("prefill", (1, prefill_chunk, prefill_chunk))):
+        def shape(*dims):  # dims: ints or (min, opt, max) triples
+            return [[x if isinstance(x, int) else x[i] for x in dims] for i in range(3)]
+
+        prof = {"input_ids": shape(b, t), "positions": shape(b, t), "seq_len": shape(b), "page_index": shape(b, m),
+                "page_table": shape(L, b, m), "page_mask": shape(L, b, m), "write_slot": shape(L, b, t),
+                "write_offset": shape(b, t)}
+        if tiered_kv:
+            prof.update(page_pinned=shape(b, m), page_tokens=shape(b, m), attend_pages=shape(b),
+                        key_min=shape(L, b, m, kvh, d), key_max=shape(L, b, m, kvh, d), page_saliency=shape(L, b, m),
+                        position_table=shape(L, 16))
+        for layer in range(L):
+            prof[f"k_pool_{layer}"] = prof[f"v_pool_{layer}"] = shape(c, kvh, p, d)
+        out[name] = prof
+    return out
+
+
+def build_tensorrt_if_available(onnx_path: Path, plan_path: Path, args: argparse.Namespace, config, *,
+                                tiered_kv: bool) -> tuple[bool, str]:
+    """Build ``plan_path`` from ``onnx_path`` where TensorRT is importable. Returns (built,
+    a sentence saying what happened)."""
+    rebuild = (f"python builder/build_engine.py {'--tiered-kv ' if tiered_kv else ''}--model <checkpoint> "
+               f"--output <ENGINE_DIR> --page-size {args.page_size} --plugin-library <libtieredkv_plugins.so> "
+               f"--max-batch {args.max_batch} --max-context {args.max_context} --precision {args.precision}")
+    try:
+        import tensorrt as trt
+    except ImportError:
+        return False, (f"[6/6] TensorRT is not installed here, so no TensorRT engine was built: the engine holds the "
+                       f"ONNX step graph ({STEP_GRAPH}), which ONNX Runtime runs (tieredkv generate --engine DIR). "
+                       f"On a GPU machine with TensorRT >= 10.15, build the plugin library (cmake -S plugins -B "
+                       f"build/plugins -DTRT_INCLUDE_DIR=...) and run: {rebuild}")
+    log(f"[6/6] building the TensorRT {trt.__version__} engine ({args.precision}, 2 optimization profiles)")
+    logger = trt.Logger(trt.Logger.WARNING)
+    registry = trt.get_plugin_registry()
+    if args.plugin_library is not None:
+        if not args.plugin_library.is_file():
+            raise TieredKVError(f"{args.plugin_library}: plugin library not found")
+        registry.load_library(str(args.plugin_library))
+    from tieredkv.plugins.onnx_ops import (IMPORTANCE_SCORE, KV_APPEND, PLUGIN_NAMESPACE, PLUGIN_VERSION,
+                                           TIERED_ATTENTION)
+
+    ops = [TIERED_ATTENTION, KV_APPEND] + ([IMPORTANCE_SCORE] if tiered_kv else [])
+    missing = [op for op in ops if registry.get_creator(op, PLUGIN_VERSION, PLUGIN_NAMESPACE) is None]
+    if missing:
+        raise TieredKVError(f"TensorRT has no plugin creator for {missing} (namespace {PLUGIN_NAMESPACE!r}, version "
+                            f"{PLUGIN_VERSION}); pass --plugin-library with the tieredkv plugin library")
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errs = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise VerificationError(f"TensorRT's ONNX parser rejects {STEP_GRAPH}: {errs}")
+    cfg = builder.create_builder_config()
+    if args.precision == "fp16":
+        cfg.set_flag(trt.BuilderFlag.FP16)
+    elif args.precision == "bf16":
+        cfg.set_flag(trt.BuilderFlag.BF16)
+    for prof_shapes in tensorrt_profiles(config, page_size=args.page_size, max_batch=args.max_batch,
+                                         max_context=args.max_context, prefill_chunk=args.prefill_chunk,
+                                         tiered_kv=tiered_kv).values():
+        profile = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in prof_shapes.items():
+            profile.set_shape(name, lo, opt, hi)
+        cfg.add_optimization_profile(profile)
+    serialized = builder.build_serialized_network(network, cfg)
+    if serialized is None:
+        raise VerificationError("TensorRT failed to build the engine (see its log above)")
+    plan_path.write_bytes(bytes(serialized))
+    return True, f"      TensorRT engine {TRT_ENGINE} built ({len(bytes(serialized)) / 2**20:.0f} MiB)"
 
 
 def _make_parents(parent: Path) -> list[Path]:
@@ -245,21 +381,10 @@ def _publish(tmp: Path, output: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def tensorrt_message(output: Path) -> str:
-    try:
-        import tensorrt
-    except ImportError:
-        return (f"TensorRT is not installed here, so no TensorRT engine was built: {output} holds the ONNX engine "
-                f"({DECODE_GRAPH}, which ONNX Runtime runs). The TensorRT engine is built on a GPU machine with "
-                "TensorRT installed.")
-    return (f"TensorRT {tensorrt.__version__} is installed, but building the TensorRT engine is not implemented yet: "
-            f"{output} holds the ONNX engine ({DECODE_GRAPH}, which ONNX Runtime runs).")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        output = build(args)
+        build(args)
     except VerificationError as exc:
         log(f"error: {exc}")
         return EXIT_VERIFY
@@ -272,7 +397,6 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # never a traceback; the temporary directory is already gone
         log(f"error: the build failed unexpectedly ({type(exc).__name__}: {exc}); nothing was written")
         return EXIT_VERIFY
-    log(tensorrt_message(output))
     return 0
 
 

@@ -1,40 +1,61 @@
-"""A tieredkv Llama -> the decode-step ONNX graph, plus the reference step it must equal.
+"""A tieredkv Llama -> the step ONNX graph of an engine, plus the reference step it must equal.
 
-The graph runs one new token per sequence for a batch of B sequences (B dynamic) over
-paged K/V pools, with the attention on the ``tieredkv::TieredAttention`` node and the K/V
-write on the ``tieredkv::KVAppend`` node (`tieredkv.plugins.onnx_ops`: custom domain,
-plugin attributes, local-function bodies that ONNX Runtime runs anywhere).
+One graph serves both kinds of step: a decode step (T = 1 new token per sequence) and a
+chunked-prefill step (T > 1), for a batch of B sequences (B, T, M and the pool sizes are
+dynamic). Attention runs on ``tieredkv::TieredAttention`` nodes, the K/V write on
+``tieredkv::KVAppend`` and (tiered graphs) page scoring on ``tieredkv::ImportanceScore``
+(`tieredkv.plugins.onnx_ops`: custom domain, plugin attributes, local-function bodies that
+ONNX Runtime runs anywhere).
 
-Inputs (B sequences, M listed pages, C pool pages, KVH kv heads, P page size, D head dim)::
+Inputs (L layers, B sequences, T new tokens each, M listed pages, C_l pool pages of layer
+l, KVH kv heads, P page size, D head dim, NB position buckets)::
 
-    input_ids    [B] int64       the new token of each sequence
-    positions    [B] int64       its RoPE position
-    page_table   [B, M] int64    pool page of each listed page (padding: any page in [0, C))
-    page_mask    [B, M] bool     attend to the listed page (residency and selection with
-                                 --tiered-kv; validity without)
-    page_index   [B, M] int64    logical index of the listed page in its sequence
-    seq_len      [B] int64       tokens of the sequence including the new one
-    write_slot   [B] int64       pool page the new token's K/V go to
-    write_offset [B] int64       slot inside that page, in [0, P)
-    k_pool_{l}, v_pool_{l}       [C, KVH, P, D] float32, one pair per layer
+    input_ids      [B, T] int64      the new tokens
+    positions      [B, T] int64      their RoPE positions
+    seq_len        [B] int64         tokens of the sequence including the new ones
+    page_index     [B, M] int64      logical index of each listed page in its sequence;
+                                     padding columns: an index past the sequence (ignored)
+    page_table     [L, B, M] int64   pool page of each listed page, per layer
+    page_mask      [L, B, M] bool    the listed page is in the layer's pool (device-resident,
+                                     or staged for this step)
+    write_slot     [L, B, T] int64   pool page each new token's K/V go to, per layer
+    write_offset   [B, T] int64      slot inside that page, in [0, P)
+    k_pool_{l}, v_pool_{l}  [C_l, KVH, P, D] float32, one pair per layer
+  tiered graphs (--tiered-kv) also:
+    page_pinned    [B, M] bool       T0 pages: attended whatever their score
+    page_tokens    [B, M] int64      tokens written in each page (new ones included)
+    attend_pages   [B] int64         attention budget in pages, T0 included (>= M: every page)
+    key_min, key_max [L, B, M, KVH, D] float32  per-page element-wise key summaries
+    page_saliency  [L, B, M] float32 mean learned saliency of each page's keys
+    position_table [L, NB] float32   the scorer's learned position table
 
 Outputs::
 
-    logits                       [B, vocab] float32
-    k_pool_out_{l}, v_pool_out_{l}  [C, KVH, P, D] the pools with the new token written
-    page_mass_{l}                [B, M] float32 (tiered graphs only): TieredAttention's
-                                 page_probs averaged over query heads — the attention mass
-                                 per listed page the runtime's importance statistics use
+    logits         [B, T, vocab] float32
+    k_new, v_new   [L, B, KVH, T, D] float32  the new tokens' K (rotated) and V, which the
+                                     runtime writes into its own pools
+  tiered graphs also:
+    page_selected  [L, B, M] bool    selection: T0, plus the top (attend_pages - |T0|) other
+                                     pages by ImportanceScore (ties: lower column first);
+                                     every valid page when attend_pages covers them all
+    page_relevance [L, B, M] float32 ImportanceScore's query relevance (0 on T0 and padding)
+    page_mass      [L, B, M] float32 attention mass per page (mean over query heads, sum over
+                                     the step's queries); 0 where not attended
 
-Per layer: RMSNorm -> Q/K/V Gemm -> RoPE at ``positions`` -> KVAppend into the layer's pools
--> TieredAttention over the updated pools (past = seq_len - 1, T = 1) -> O Gemm -> residual
--> RMSNorm -> SwiGLU -> residual; then the final norm and the LM head (tied embeddings reuse
-the embedding initializer). Weights are float32 initializers named as in the model's
-state dict; RoPE uses the model's own ``inv_freq`` (config scaling, GGUF frequency factors).
+A page is attended when selected and in the pool (``page_selected & page_mask``): the
+runtime puts non-resident pages in the pool (exact mode, prefill) or leaves them out and
+counts the miss (masked mode). Plain graphs (no --tiered-kv) attend ``page_mask``.
+
+Per layer: RMSNorm -> Q/K/V Gemm -> RoPE -> KVAppend into the layer's pools ->
+[ImportanceScore on the last new token's query -> TopK selection] -> TieredAttention over
+the updated pools -> O Gemm -> residual -> RMSNorm -> SwiGLU -> residual; then the final
+norm and the LM head (tied embeddings reuse the embedding initializer). Weights are
+float32 initializers named as in the model's state dict; RoPE uses the model's own
+``inv_freq`` (config scaling, GGUF frequency factors). The ImportanceScore weights (the
+selection mix) are a build option, recorded in the engine's config.json.
 
 The reference (:class:`PoolStep`) runs the PyTorch model's own modules through the same
-explicit pools, with `plugins.attention.tiered_attention` and `plugins.onnx_ops.kv_append`
-as the attention and the write.
+explicit inputs with the PyTorch references of the three ops.
 """
 
 from __future__ import annotations
@@ -50,59 +71,74 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tieredkv.models.cache import Step
 from tieredkv.models.llama import Llama
-from tieredkv.plugins.attention import tiered_attention
+from tieredkv.plugins.attention import PAD_PAGE_INDEX, tiered_attention
+from tieredkv.plugins.importance import importance_score
 from tieredkv.plugins.onnx_codec import _Body
 from tieredkv.plugins.onnx_ops import (
     DOMAIN,
+    IMPORTANCE_SCORE,
     KV_APPEND,
     OPSET,
     PLUGIN_NAMESPACE,
     PLUGIN_VERSION,
     TIERED_ATTENTION,
+    importance_score_function,
     kv_append,
     kv_append_function,
     tiered_attention_function,
 )
 
-__all__ = ["DecodeGraphOptions", "PoolStep", "PROTOBUF_LIMIT", "build_decode_graph", "decode_input_names",
-           "decode_output_names", "initializer_bytes", "random_decode_inputs", "reference_decode_step",
-           "run_onnx", "save_decode_graph"]
+__all__ = ["StepGraphOptions", "PoolStep", "PROTOBUF_LIMIT", "build_step_graph", "step_input_names",
+           "step_output_names", "initializer_bytes", "random_step_inputs", "reference_step", "run_onnx",
+           "save_step_graph", "PAD_INDEX", "RELEVANCE_ONLY"]
 
 _F32, _I64, _BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 
 #: a serialized ModelProto must stay under 2 GiB; past this many bytes of weights the
 #: graph is written with its initializers in an external data file
 PROTOBUF_LIMIT = 2**31 - 1 - (64 << 20)
+#: page_index of padding columns (past any sequence: no key of it is ever valid)
+PAD_INDEX = PAD_PAGE_INDEX
+#: ImportanceScore weights that make its score the relevance alone
+RELEVANCE_ONLY = (1.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
-class DecodeGraphOptions:
-    """``tiered_kv``: add the page-mass outputs (without it the graph is plain paged
-    attention). ``page_size``: P, fixed in the pool shapes (B, M and C stay dynamic)."""
+class StepGraphOptions:
+    """``tiered_kv``: scoring, selection and the page outputs (without it the graph is plain
+    paged attention over ``page_mask``). ``page_size``: P, fixed in the pool shapes.
+    ``selection_weights``: (relevance, position, saliency) of the ImportanceScore mix that
+    ranks pages for the attention budget (the runtime's ``selection_weights``)."""
 
     tiered_kv: bool = True
     page_size: int = 16
+    selection_weights: tuple[float, float, float] = RELEVANCE_ONLY
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size <= 0:
             raise ValueError(f"page_size must be a positive integer, got {self.page_size!r}")
+        w = tuple(float(x) for x in self.selection_weights)
+        if len(w) != 3 or any(not x >= 0 for x in w):
+            raise ValueError(f"selection_weights: expected 3 non-negative floats, got {self.selection_weights!r}")
+        object.__setattr__(self, "selection_weights", w)
 
 
-def decode_input_names(num_layers: int) -> list[str]:
-    names = ["input_ids", "positions", "page_table", "page_mask", "page_index", "seq_len", "write_slot",
-             "write_offset"]
+_SHARED_INPUTS = ["input_ids", "positions", "seq_len", "page_index", "page_table", "page_mask", "write_slot",
+                  "write_offset"]
+_TIERED_INPUTS = ["page_pinned", "page_tokens", "attend_pages", "key_min", "key_max", "page_saliency",
+                  "position_table"]
+_TIERED_OUTPUTS = ["page_selected", "page_relevance", "page_mass"]
+
+
+def step_input_names(num_layers: int, *, tiered_kv: bool) -> list[str]:
+    names = list(_SHARED_INPUTS) + (list(_TIERED_INPUTS) if tiered_kv else [])
     for layer in range(num_layers):
         names += [f"k_pool_{layer}", f"v_pool_{layer}"]
     return names
 
 
-def decode_output_names(num_layers: int, *, tiered_kv: bool) -> list[str]:
-    names = ["logits"]
-    for layer in range(num_layers):
-        names += [f"k_pool_out_{layer}", f"v_pool_out_{layer}"]
-    if tiered_kv:
-        names += [f"page_mass_{layer}" for layer in range(num_layers)]
-    return names
+def step_output_names(num_layers: int, *, tiered_kv: bool) -> list[str]:
+    return ["logits", "k_new", "v_new"] + (list(_TIERED_OUTPUTS) if tiered_kv else [])
 
 
 class _Graph(_Body):
@@ -125,21 +161,28 @@ class _Graph(_Body):
         self.nodes.append(helper.make_node(op_type, inputs, outputs, name=name, domain=DOMAIN,
                                            plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION, **attrs))
 
+    def layer_of(self, stacked: str, layer: int) -> str:
+        """Row ``layer`` of a per-layer stacked input (axis 0 dropped)."""
+        return self.op("Gather", stacked, self.const(layer), axis=0)
+
+    def dim(self, x: str, i: int) -> str:
+        return self.op("Shape", x, start=i, end=i + 1)
+
 
 def _rms_norm(g: _Graph, x: str, weight: str, eps: float) -> str:
-    """x [B, hidden] -> weight * x / sqrt(mean(x^2) + eps) (the reference RMSNorm)."""
+    """x [N, hidden] -> weight * x / sqrt(mean(x^2) + eps) (the reference RMSNorm)."""
     ms = g.op("ReduceMean", g.op("Mul", x, x), g.const([-1]), keepdims=1)
     inv = g.op("Reciprocal", g.op("Sqrt", g.op("Add", ms, g.const(float(eps), _F32))))
     return g.op("Mul", weight, g.op("Mul", x, inv))
 
 
 def _linear(g: _Graph, x: str, weight: str) -> str:
-    """x [B, in] @ weight[out, in]^T (the PyTorch layout, no transposed copy)."""
+    """x [N, in] @ weight[out, in]^T (the PyTorch layout, no transposed copy)."""
     return g.op("Gemm", x, weight, transB=1)
 
 
 def _rope(g: _Graph, x: str, cos: str, sin: str, half: int) -> str:
-    """x [B, heads, D] -> x * cos + rotate_half(x) * sin, with cos/sin [B, 1, D]."""
+    """x [B, heads, T, D] -> x * cos + rotate_half(x) * sin, with cos/sin [B, 1, T, D]."""
     axes = g.const([-1])
     x1 = g.op("Slice", x, g.const([0]), g.const([half]), axes)
     x2 = g.op("Slice", x, g.const([half]), g.const([2 * half]), axes)
@@ -147,28 +190,64 @@ def _rope(g: _Graph, x: str, cos: str, sin: str, half: int) -> str:
     return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
 
 
-def build_decode_graph(model: Llama, options: DecodeGraphOptions | None = None, *,
-                       progress: Callable[[Iterable[int]], Iterable[int]] | None = None) -> onnx.ModelProto:
-    """The decode-step graph of ``model`` (see the module docstring). ``progress`` wraps the
+def _select(g: _Graph, score: str, valid: str, pinned: str, cand: str, n_valid: str, n_pinned: str) -> str:
+    """The selection of the tiered cache (`TieredKVCache._select`): T0, plus the top
+    ``attend_pages - |T0|`` candidate pages by ``score`` [B, M]; every valid page when the
+    budget covers them all. TopK over the candidates, sorted (ties: lower column first),
+    ranks scattered back to columns."""
+    ranked = g.op("Where", cand, score, g.const(float("-inf"), _F32))
+    m = g.dim(score, 1)
+    values, order = g._name("topk_values"), g._name("topk_order")
+    g.nodes.append(helper.make_node("TopK", [ranked, m], [values, order], axis=-1, largest=1, sorted=1))
+    cols = g.op("Expand", g.op("Unsqueeze", g.op("Range", g.const(0), g.op("Squeeze", m, g.const([0])), g.const(1)),
+                               g.const([0])), g.op("Shape", score))
+    zeros = g.op("ConstantOfShape", g.op("Shape", score), value=helper.make_tensor("zero", _I64, [1], [0]))
+    rank = g.op("ScatterElements", zeros, order, cols, axis=1)
+    extra = g.op("Unsqueeze", g.op("Sub", "attend_pages", n_pinned), g.const([1]))
+    top = g.op("And", cand, g.op("Less", rank, extra))
+    every = g.op("Unsqueeze", g.op("GreaterOrEqual", "attend_pages", n_valid), g.const([1]))
+    return g.op("And", valid, g.op("Or", g.op("Or", pinned, every), top))
+
+
+def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
+                     progress: Callable[[Iterable[int]], Iterable[int]] | None = None) -> onnx.ModelProto:
+    """The step graph of ``model`` (see the module docstring). ``progress`` wraps the
     iteration over layers (e.g. tqdm)."""
-    options = options or DecodeGraphOptions()
+    options = options or StepGraphOptions()
     c = model.config
     n_layers, h, kvh, d, p = c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, options.page_size
+    tiered = options.tiered_kv
     g = _Graph()
     state = model.state_dict()
+    scale = float(d) ** -0.5
 
     embed = g.weight("embed_tokens.weight", state["embed_tokens.weight"])
     inv_freq = g.weight("rope.inv_freq", model.inv_freq.float())
+    B, T = g.dim("input_ids", 0), g.dim("input_ids", 1)
     # RoPE tables of the new tokens: emb = [freqs, freqs], freqs = position * inv_freq (float32)
-    pos_f = g.op("Unsqueeze", g.op("Cast", "positions", to=_F32), g.const([1]))
-    freqs = g.op("Mul", pos_f, inv_freq)  # [B, D/2]
+    freqs = g.op("Mul", g.op("Unsqueeze", g.op("Cast", "positions", to=_F32), g.const([2])), inv_freq)  # [B,T,D/2]
     emb = g.op("Concat", freqs, freqs, axis=-1)
-    cos = g.op("Unsqueeze", g.op("Cos", emb), g.const([1]))  # [B, 1, D]
+    cos = g.op("Unsqueeze", g.op("Cos", emb), g.const([1]))  # [B, 1, T, D]
     sin = g.op("Unsqueeze", g.op("Sin", emb), g.const([1]))
-    past = g.op("Sub", "seq_len", g.const([1]), out="past")
-    q_shape, kv_shape, flat = g.const([0, h, d]), g.const([0, kvh, d]), g.const([0, h * d])
+    past = g.op("Sub", "seq_len", g.op("Squeeze", T, g.const([0])), out="past")
+    heads = lambda n: g.op("Concat", B, T, g.const([n, d]), axis=0)  # noqa: E731  [B, T, n, D]
+    q_shape, kv_shape = heads(h), heads(kvh)
+    rows = g.const([-1, kvh, d])  # [B*T, KVH, D] for KVAppend
+    flat, logits_shape = g.const([-1, h * d]), g.op("Concat", B, T, g.const([c.vocab_size]), axis=0)
+    offsets = g.op("Reshape", "write_offset", g.const([-1]))
+    valid = g.op("Less", g.op("Mul", "page_index", g.const(p)), g.op("Unsqueeze", "seq_len", g.const([1])))
+    if tiered:
+        count = lambda m: g.op("ReduceSum", g.op("Cast", m, to=_I64), g.const([1]), keepdims=0)  # noqa: E731
+        pinned = g.op("And", "page_pinned", valid)
+        n_valid, n_pinned = count(valid), count(pinned)
+        cand = g.op("And", valid, g.op("Not", "page_pinned"))
+        # distance of each page's last token from the last new token (the position signal)
+        last_tok = g.op("Sub", g.op("Add", g.op("Mul", "page_index", g.const(p)), "page_tokens"), g.const(1))
+        distance = g.op("Sub", g.op("Unsqueeze", g.op("Sub", "seq_len", g.const(1)), g.const([1])), last_tok)
+        t_last = g.op("Sub", T, g.const([1]))
+    news: dict[str, list[str]] = {"k": [], "v": [], "selected": [], "relevance": [], "mass": []}
 
-    x = g.op("Gather", embed, "input_ids", axis=0)  # [B, hidden]
+    x = g.op("Reshape", g.op("Gather", embed, "input_ids", axis=0), g.const([-1, c.hidden_size]))  # [B*T, hidden]
     layers = range(n_layers) if progress is None else progress(range(n_layers))
     for layer in layers:
         pre = f"layers.{layer}"
@@ -177,20 +256,46 @@ def build_decode_graph(model: Llama, options: DecodeGraphOptions | None = None, 
             return g.weight(f"{pre}.{name}.weight", state[f"{pre}.{name}.weight"])
 
         hs = _rms_norm(g, x, w("input_layernorm"), c.rms_norm_eps)
-        q = g.op("Reshape", _linear(g, hs, w("self_attn.q_proj")), q_shape)
-        k = g.op("Reshape", _linear(g, hs, w("self_attn.k_proj")), kv_shape)
-        v = g.op("Reshape", _linear(g, hs, w("self_attn.v_proj")), kv_shape)
-        q = g.op("Unsqueeze", _rope(g, q, cos, sin, d // 2), g.const([2]))  # [B, H, 1, D]
-        k = _rope(g, k, cos, sin, d // 2)  # [B, KVH, D]
-        k_out, v_out = f"k_pool_out_{layer}", f"v_pool_out_{layer}"
-        g.plugin(KV_APPEND, [f"k_pool_{layer}", f"v_pool_{layer}", k, v, "write_slot", "write_offset"],
+        q = g.op("Transpose", g.op("Reshape", _linear(g, hs, w("self_attn.q_proj")), q_shape), perm=[0, 2, 1, 3])
+        k = g.op("Transpose", g.op("Reshape", _linear(g, hs, w("self_attn.k_proj")), kv_shape), perm=[0, 2, 1, 3])
+        v = g.op("Transpose", g.op("Reshape", _linear(g, hs, w("self_attn.v_proj")), kv_shape), perm=[0, 2, 1, 3])
+        q, k = _rope(g, q, cos, sin, d // 2), _rope(g, k, cos, sin, d // 2)  # [B, H|KVH, T, D]
+        news["k"].append(g.op("Unsqueeze", k, g.const([0])))
+        news["v"].append(g.op("Unsqueeze", v, g.const([0])))
+        k_rows = g.op("Reshape", g.op("Transpose", k, perm=[0, 2, 1, 3]), rows)
+        v_rows = g.op("Reshape", g.op("Transpose", v, perm=[0, 2, 1, 3]), rows)
+        k_out, v_out = f"{pre}.k_pool_updated", f"{pre}.v_pool_updated"
+        slots = g.op("Reshape", g.layer_of("write_slot", layer), g.const([-1]))
+        g.plugin(KV_APPEND, [f"k_pool_{layer}", f"v_pool_{layer}", k_rows, v_rows, slots, offsets],
                  [k_out, v_out], name=f"{pre}.kv_append")
+        table, in_pool = g.layer_of("page_table", layer), g.layer_of("page_mask", layer)
+        if tiered:
+            q_last = g.op("Squeeze", g.op("Slice", q, t_last, T, g.const([2])), g.const([2]))  # [B, H, D]
+            score_in = [q_last, g.layer_of("key_min", layer), g.layer_of("key_max", layer), "page_tokens", distance,
+                        g.layer_of("page_saliency", layer), cand]
+            pos_table = g.layer_of("position_table", layer)
+            rel = f"{pre}.page_relevance"
+            g.plugin(IMPORTANCE_SCORE, score_in + [pos_table], [rel], name=f"{pre}.relevance",
+                     weights=list(RELEVANCE_ONLY), scale=scale)
+            score = rel
+            if options.selection_weights != RELEVANCE_ONLY:
+                score = f"{pre}.selection_score"
+                g.plugin(IMPORTANCE_SCORE, score_in + [pos_table], [score], name=f"{pre}.selection_score",
+                         weights=list(options.selection_weights), scale=scale)
+            selected = _select(g, score, valid, pinned, cand, n_valid, n_pinned)
+            attended = g.op("And", selected, in_pool)
+            news["selected"].append(g.op("Unsqueeze", selected, g.const([0])))
+            news["relevance"].append(g.op("Unsqueeze", rel, g.const([0])))
+        else:
+            attended = g.op("And", in_pool, valid)
         attn, lse, probs = f"{pre}.attn_out", f"{pre}.attn_lse", f"{pre}.page_probs"
-        g.plugin(TIERED_ATTENTION, [q, k_out, v_out, "page_table", "page_mask", "page_index", "seq_len", past],
-                 [attn, lse, probs], name=f"{pre}.attention", scale=float(d) ** -0.5)
-        if options.tiered_kv:  # mean over heads (axis 1) and the single query (axis 2)
-            g.op("ReduceMean", probs, g.const([1, 2]), keepdims=0, out=f"page_mass_{layer}")
-        x = g.op("Add", x, _linear(g, g.op("Reshape", attn, flat), w("self_attn.o_proj")))
+        g.plugin(TIERED_ATTENTION, [q, k_out, v_out, table, attended, "page_index", "seq_len", past],
+                 [attn, lse, probs], name=f"{pre}.attention", scale=scale)
+        if tiered:  # mean over query heads (axis 1), sum over the step's queries (then axis 1)
+            mass = g.op("ReduceSum", g.op("ReduceMean", probs, g.const([1]), keepdims=0), g.const([1]), keepdims=0)
+            news["mass"].append(g.op("Unsqueeze", mass, g.const([0])))
+        attn_rows = g.op("Reshape", g.op("Transpose", attn, perm=[0, 2, 1, 3]), flat)  # [B*T, H*D]
+        x = g.op("Add", x, _linear(g, attn_rows, w("self_attn.o_proj")))
         hs = _rms_norm(g, x, w("post_attention_layernorm"), c.rms_norm_eps)
         gate = _linear(g, hs, w("mlp.gate_proj"))
         act = g.op("Mul", gate, g.op("Sigmoid", gate))
@@ -198,26 +303,38 @@ def build_decode_graph(model: Llama, options: DecodeGraphOptions | None = None, 
 
     norm = g.weight("norm.weight", state["norm.weight"])
     head = embed if c.tie_word_embeddings else g.weight("lm_head.weight", state["lm_head.weight"])
-    g.op("Gemm", _rms_norm(g, x, norm, c.rms_norm_eps), head, transB=1, out="logits")
+    g.op("Reshape", g.op("Gemm", _rms_norm(g, x, norm, c.rms_norm_eps), head, transB=1), logits_shape, out="logits")
+    g.op("Concat", *news["k"], axis=0, out="k_new")
+    g.op("Concat", *news["v"], axis=0, out="v_new")
+    if tiered:
+        g.op("Concat", *news["selected"], axis=0, out="page_selected")
+        g.op("Concat", *news["relevance"], axis=0, out="page_relevance")
+        g.op("Concat", *news["mass"], axis=0, out="page_mass")
 
-    pool = ["C", kvh, p, d]
-    ins = [helper.make_tensor_value_info("input_ids", _I64, ["B"]),
-           helper.make_tensor_value_info("positions", _I64, ["B"]),
-           helper.make_tensor_value_info("page_table", _I64, ["B", "M"]),
-           helper.make_tensor_value_info("page_mask", _BOOL, ["B", "M"]),
-           helper.make_tensor_value_info("page_index", _I64, ["B", "M"]),
-           helper.make_tensor_value_info("seq_len", _I64, ["B"]),
-           helper.make_tensor_value_info("write_slot", _I64, ["B"]),
-           helper.make_tensor_value_info("write_offset", _I64, ["B"])]
-    outs = [helper.make_tensor_value_info("logits", _F32, ["B", c.vocab_size])]
+    vi = helper.make_tensor_value_info
+    L = n_layers
+    ins = [vi("input_ids", _I64, ["B", "T"]), vi("positions", _I64, ["B", "T"]), vi("seq_len", _I64, ["B"]),
+           vi("page_index", _I64, ["B", "M"]), vi("page_table", _I64, [L, "B", "M"]),
+           vi("page_mask", _BOOL, [L, "B", "M"]), vi("write_slot", _I64, [L, "B", "T"]),
+           vi("write_offset", _I64, ["B", "T"])]
+    if tiered:
+        ins += [vi("page_pinned", _BOOL, ["B", "M"]), vi("page_tokens", _I64, ["B", "M"]),
+                vi("attend_pages", _I64, ["B"]), vi("key_min", _F32, [L, "B", "M", kvh, d]),
+                vi("key_max", _F32, [L, "B", "M", kvh, d]), vi("page_saliency", _F32, [L, "B", "M"]),
+                vi("position_table", _F32, [L, "NB"])]
     for layer in range(n_layers):
-        ins += [helper.make_tensor_value_info(f"{kv}_pool_{layer}", _F32, pool) for kv in "kv"]
-        outs += [helper.make_tensor_value_info(f"{kv}_pool_out_{layer}", _F32, pool) for kv in "kv"]
-    if options.tiered_kv:
-        outs += [helper.make_tensor_value_info(f"page_mass_{layer}", _F32, ["B", "M"]) for layer in range(n_layers)]
-    graph = helper.make_graph(g.nodes, f"{c.name}_decode{'_tiered' if options.tiered_kv else ''}", ins, outs,
+        ins += [vi(f"{kv}_pool_{layer}", _F32, [f"C{layer}", kvh, p, d]) for kv in "kv"]
+    outs = [vi("logits", _F32, ["B", "T", c.vocab_size]), vi("k_new", _F32, [L, "B", kvh, "T", d]),
+            vi("v_new", _F32, [L, "B", kvh, "T", d])]
+    if tiered:
+        outs += [vi("page_selected", _BOOL, [L, "B", "M"]), vi("page_relevance", _F32, [L, "B", "M"]),
+                 vi("page_mass", _F32, [L, "B", "M"])]
+    graph = helper.make_graph(g.nodes, f"{c.name}_step{'_tiered' if tiered else ''}", ins, outs,
                               initializer=g.initializers)
-    return helper.make_model(graph, functions=[tiered_attention_function(), kv_append_function()],
+    functions = [tiered_attention_function(), kv_append_function()]
+    if tiered:
+        functions.append(importance_score_function())
+    return helper.make_model(graph, functions=functions,
                              opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
                              producer_name="tieredkv.builder", doc_string=__doc__.split("\n\n")[0])
 
@@ -226,7 +343,7 @@ def initializer_bytes(model: onnx.ModelProto) -> int:
     return sum(len(t.raw_data) for t in model.graph.initializer)
 
 
-def save_decode_graph(model: onnx.ModelProto, path: str | Path, *, external_data: bool | None = None) -> bool:
+def save_step_graph(model: onnx.ModelProto, path: str | Path, *, external_data: bool | None = None) -> bool:
     """Write ``model`` to ``path``; with ``external_data`` (None: when the weights pass
     :data:`PROTOBUF_LIMIT`) the initializers go to ``<name>.data`` beside it. Returns whether
     external data was used. ``model`` is modified when external data is used."""
@@ -245,116 +362,161 @@ def save_decode_graph(model: onnx.ModelProto, path: str | Path, *, external_data
 
 
 class PoolStep:
-    """A decode step over explicit pools, as the graph sees them, for the reference model.
+    """One step over explicit inputs, as the graph sees them, for the reference model.
 
-    ``Llama.forward`` drives it through the KV-cache step protocol (``begin_step``,
-    ``attend`` per layer, ``end_step``): ``attend`` writes the new token's K/V with
-    :func:`kv_append` and attends with :func:`tiered_attention` over the updated pools.
-    After the forward call ``k_pools`` / ``v_pools`` hold the updated pools and
-    ``page_mass`` the per-layer page mass [B, M]. Tensors as in the module docstring
-    (torch); it runs one step of one token per sequence."""
+    ``Llama.forward`` drives it through the KV-cache step protocol (``begin_step``, ``attend``
+    per layer, ``end_step``): ``attend`` writes the new tokens' K/V with :func:`kv_append`,
+    scores and selects pages with ``importance_score`` and the tiered cache's selection rule
+    (tiered), and attends with :func:`tiered_attention` over the updated pools. Afterwards
+    ``outputs`` holds every graph output but the logits (torch tensors)."""
 
-    def __init__(self, *, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor], page_table: torch.Tensor,
-                 page_mask: torch.Tensor, page_index: torch.Tensor, seq_len: torch.Tensor, write_slot: torch.Tensor,
-                 write_offset: torch.Tensor) -> None:
-        self.k_pools, self.v_pools = list(k_pools), list(v_pools)
-        self.page_table, self.page_mask, self.page_index = page_table, page_mask, page_index
-        self.seq_len, self.write_slot, self.write_offset = seq_len, write_slot, write_offset
-        self.page_mass: list[torch.Tensor | None] = [None] * len(self.k_pools)
+    def __init__(self, t: dict[str, torch.Tensor], *, num_layers: int, tiered_kv: bool,
+                 selection_weights: tuple[float, float, float]) -> None:
+        self.t, self.tiered, self.weights = t, tiered_kv, selection_weights
+        p = t["k_pool_0"].shape[2]
+        self.valid = t["page_index"] * p < t["seq_len"].unsqueeze(1)
+        self.pages = p
+        self.news: dict[str, list] = {k: [None] * num_layers for k in ("k_new", "v_new", *_TIERED_OUTPUTS)}
 
     def begin_step(self, seq_ids, num_new: int) -> Step:
-        if num_new != 1:
-            raise ValueError(f"PoolStep runs a decode step (one new token per sequence), got {num_new}")
-        return Step(tuple(seq_ids), 1, tuple(int(n) - 1 for n in self.seq_len))
+        return Step(tuple(seq_ids), num_new, tuple(int(n) - num_new for n in self.t["seq_len"]))
+
+    def _selected(self, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.t
+        pinned = t["page_pinned"] & self.valid
+        cand = self.valid & ~t["page_pinned"]
+        last_tok = t["page_index"] * self.pages + t["page_tokens"] - 1
+        distance = (t["seq_len"] - 1).unsqueeze(1) - last_tok
+        args = (q[:, :, -1], t["key_min"][layer], t["key_max"][layer], t["page_tokens"], distance,
+                t["page_saliency"][layer], cand, t["position_table"][layer])
+        rel = importance_score(*args, RELEVANCE_ONLY)
+        score = importance_score(*args, self.weights) if self.weights != RELEVANCE_ONLY else rel
+        selected = pinned | (t["attend_pages"] >= self.valid.sum(1)).unsqueeze(1)
+        extra = t["attend_pages"] - pinned.sum(1)
+        for b in range(score.shape[0]):
+            n_cand = int(cand[b].sum())
+            k = max(0, min(int(extra[b]), n_cand))
+            if k:
+                top = torch.topk(score[b].masked_fill(~cand[b], float("-inf")), k).indices
+                selected[b, top] = True
+        return selected & self.valid, rel
 
     def attend(self, step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kp, vp = kv_append(self.k_pools[layer], self.v_pools[layer], k[:, :, 0], v[:, :, 0], self.write_slot,
-                           self.write_offset)
-        self.k_pools[layer], self.v_pools[layer] = kp, vp
-        out, _, probs = tiered_attention(q, kp, vp, self.page_table, self.page_mask, self.page_index, self.seq_len,
-                                         self.seq_len - 1, with_lse=False)
-        self.page_mass[layer] = probs.mean(dim=(1, 2))
+        t = self.t
+        self.news["k_new"][layer], self.news["v_new"][layer] = k, v
+        slots = t["write_slot"][layer].reshape(-1)
+        kp, vp = kv_append(t[f"k_pool_{layer}"], t[f"v_pool_{layer}"], k.transpose(1, 2).reshape(-1, *k.shape[1:2],
+                           k.shape[-1]), v.transpose(1, 2).reshape(-1, *v.shape[1:2], v.shape[-1]), slots,
+                           t["write_offset"].reshape(-1))
+        in_pool = t["page_mask"][layer]
+        if self.tiered:
+            selected, rel = self._selected(layer, q)
+            attended = selected & in_pool
+            self.news["page_selected"][layer], self.news["page_relevance"][layer] = selected, rel
+        else:
+            attended = in_pool & self.valid
+        out, _, probs = tiered_attention(q, kp, vp, t["page_table"][layer], attended, t["page_index"], t["seq_len"],
+                                         t["seq_len"] - step.num_new, with_lse=False)
+        if self.tiered:
+            self.news["page_mass"][layer] = probs.mean(1).sum(1)
         return out
 
     def end_step(self, step: Step) -> None:
-        """Nothing to finish: the pools were updated in ``attend``."""
+        """Nothing to finish: the graph's runtime writes the new K/V."""
+
+    @property
+    def outputs(self) -> dict[str, torch.Tensor]:
+        return {k: torch.stack(v) for k, v in self.news.items() if v[0] is not None}
 
 
 @torch.no_grad()
-def reference_decode_step(model: Llama, feeds: dict[str, np.ndarray], *, tiered_kv: bool = True
-                          ) -> dict[str, np.ndarray]:
+def reference_step(model: Llama, feeds: dict[str, np.ndarray], *, tiered_kv: bool = True,
+                   selection_weights: tuple[float, float, float] = RELEVANCE_ONLY) -> dict[str, np.ndarray]:
     """The graph's outputs computed by the PyTorch model for the graph's inputs ``feeds``."""
-    n_layers = model.config.num_layers
     t = {k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items()}
-    step = PoolStep(k_pools=[t[f"k_pool_{i}"] for i in range(n_layers)],
-                    v_pools=[t[f"v_pool_{i}"] for i in range(n_layers)],
-                    page_table=t["page_table"], page_mask=t["page_mask"], page_index=t["page_index"],
-                    seq_len=t["seq_len"], write_slot=t["write_slot"], write_offset=t["write_offset"])
-    batch = t["input_ids"].shape[0]
-    logits = model(t["input_ids"].view(-1, 1), t["positions"].view(-1, 1), step, list(range(batch)))[:, 0]
-    out = {"logits": logits.float().numpy()}
-    for i in range(n_layers):
-        out[f"k_pool_out_{i}"] = step.k_pools[i].numpy()
-        out[f"v_pool_out_{i}"] = step.v_pools[i].numpy()
-        if tiered_kv:
-            out[f"page_mass_{i}"] = step.page_mass[i].numpy()
-    return out
+    step = PoolStep(t, num_layers=model.config.num_layers, tiered_kv=tiered_kv,
+                    selection_weights=tuple(float(x) for x in selection_weights))
+    logits = model(t["input_ids"], t["positions"], step, list(range(t["input_ids"].shape[0])))
+    return {"logits": logits.float().numpy(), **{k: v.numpy() for k, v in step.outputs.items()}}
 
 
-def random_decode_inputs(model: Llama, *, page_size: int, seq_lens: list[int], tiered_kv: bool, seed: int = 0,
-                         model_kv: bool = False, spare_pages: int = 3) -> dict[str, np.ndarray]:
-    """Random graph inputs: sequences of ``seq_lens`` tokens (the new one included) on pages
-    scattered over a pool with ``spare_pages`` unused pages, listed in shuffled order and
-    padded to the longest; random tokens, page selection and pools (normal, std 1).
+def random_step_inputs(model: Llama, *, page_size: int, seq_lens: list[int], new_tokens: int = 1,
+                       tiered_kv: bool, seed: int = 0, model_kv: bool = False, spare_pages: int = 3,
+                       attend_fraction: float = 0.6) -> dict[str, np.ndarray]:
+    """Random graph inputs: sequences of ``seq_lens`` tokens (the ``new_tokens`` new ones
+    included) whose pages are scattered over each layer's pool (a different placement per
+    layer) with ``spare_pages`` unused pages, listed in shuffled order and padded to the
+    longest (padding: :data:`PAD_INDEX`); random tokens and pools (normal, std 1).
 
-    With ``model_kv`` the filled slots (the tokens before the new one) hold the K/V the model
-    itself computes for random prompt tokens, as a real engine sees them; the rest of the
-    pools stays random (attention must ignore it). Random std-1 K/V everywhere drive a real
-    model far out of its range, where float32 rounding alone moves its logits by ~1e-3.
-    With ``tiered_kv`` each listed page but the one receiving the new token is masked out
-    with probability 0.3; without, the mask is validity."""
+    With ``model_kv`` the filled slots of the cached tokens hold the K/V the model itself
+    computes for random prompt tokens, as a real engine sees them (random std-1 K/V drive
+    a real model far out of its range, where float32 rounding alone moves its logits by
+    ~1e-3); the rest of the pools stays random (attention must ignore it). Tiered inputs:
+    each listed page but the ones receiving new tokens is out of the pool with probability
+    0.3; T0 = the first and the last page; the attention budget ``attend_fraction`` of each
+    sequence's pages; key summaries are the real min/max of the pool slots."""
     rng = np.random.default_rng(seed)
     c = model.config
-    n_pages = [-(-n // page_size) for n in seq_lens]
-    m, capacity = max(n_pages), sum(n_pages) + spare_pages
-    slots = rng.permutation(capacity)
-    batch = len(seq_lens)
-    table = np.zeros((batch, m), np.int64)
-    mask = np.zeros((batch, m), bool)
-    index = np.zeros((batch, m), np.int64)
-    write_slot = np.zeros(batch, np.int64)
-    used = 0
-    for b, (n, k) in enumerate(zip(seq_lens, n_pages)):
-        own = slots[used : used + k]
-        used += k
-        order = rng.permutation(k)  # column j lists logical page order[j]
-        table[b, :k], index[b, :k] = own[order], order
-        keep = rng.random(k) >= 0.3 if tiered_kv else np.ones(k, bool)
-        keep[order == k - 1] = True  # the page of the new token
-        mask[b, :k] = keep
-        table[b, k:] = own[0]  # padding: a real page, masked out
-        write_slot[b] = own[k - 1]
+    L, P = c.num_layers, page_size
+    n_pages = [-(-n // P) for n in seq_lens]
+    m, capacity, batch = max(n_pages), sum(n_pages) + spare_pages, len(seq_lens)
     seq_len = np.asarray(seq_lens, np.int64)
-    feeds = {"input_ids": rng.integers(0, c.vocab_size, batch).astype(np.int64), "positions": seq_len - 1,
-             "page_table": table, "page_mask": mask, "page_index": index, "seq_len": seq_len,
-             "write_slot": write_slot, "write_offset": (seq_len - 1) % page_size}
-    shape = (capacity, c.num_kv_heads, page_size, c.head_dim)
-    for layer in range(c.num_layers):
+    pos = seq_len[:, None] - new_tokens + np.arange(new_tokens)  # [B, T]
+    index = np.full((batch, m), PAD_INDEX, np.int64)
+    order = [rng.permutation(k) for k in n_pages]  # column j lists logical page order[b][j]
+    for b, k in enumerate(n_pages):
+        index[b, :k] = order[b]
+    table = np.zeros((L, batch, m), np.int64)
+    in_pool = np.zeros((L, batch, m), bool)
+    write_slot = np.zeros((L, batch, new_tokens), np.int64)
+    logical_slot = np.zeros((L, batch, m), np.int64)  # pool page of logical page j
+    for layer in range(L):
+        slots, used = rng.permutation(capacity), 0
+        for b, k in enumerate(n_pages):
+            own = slots[used : used + k]
+            used += k
+            logical_slot[layer, b, :k] = own
+            table[layer, b, :k] = own[order[b]]
+            keep = rng.random(k) >= 0.3 if tiered_kv else np.ones(k, bool)
+            keep[np.isin(order[b], pos[b] // P)] = True  # pages receiving new tokens
+            in_pool[layer, b, :k] = keep
+            write_slot[layer, b] = own[pos[b] // P]
+    feeds = {"input_ids": rng.integers(0, c.vocab_size, (batch, new_tokens)).astype(np.int64), "positions": pos,
+             "seq_len": seq_len, "page_index": index, "page_table": table, "page_mask": in_pool,
+             "write_slot": write_slot, "write_offset": pos % P}
+    shape = (capacity, c.num_kv_heads, P, c.head_dim)
+    for layer in range(L):
         feeds[f"k_pool_{layer}"] = rng.standard_normal(shape, dtype=np.float32)
         feeds[f"v_pool_{layer}"] = rng.standard_normal(shape, dtype=np.float32)
     if model_kv:
         for b, n in enumerate(seq_lens):
-            if n > 1:
-                prompt = torch.from_numpy(rng.integers(0, c.vocab_size, n - 1).astype(np.int64))
-                _write_prompt_kv(model, prompt, table[b, : n_pages[b]], index[b, : n_pages[b]], feeds)
+            if n > new_tokens:
+                prompt = torch.from_numpy(rng.integers(0, c.vocab_size, n - new_tokens).astype(np.int64))
+                _write_prompt_kv(model, prompt, logical_slot[:, b, : n_pages[b]], feeds)
+    if tiered_kv:
+        tokens = np.zeros((batch, m), np.int64)
+        pinned = np.zeros((batch, m), bool)
+        kmin = np.zeros((L, batch, m, c.num_kv_heads, c.head_dim), np.float32)
+        kmax = np.zeros_like(kmin)
+        for b, (n, k) in enumerate(zip(seq_lens, n_pages)):
+            tokens[b, :k] = np.minimum(P, n - order[b] * P)
+            pinned[b, :k] = (order[b] == 0) | (order[b] == k - 1)
+            for layer in range(L):
+                for j in range(k):
+                    page = feeds[f"k_pool_{layer}"][table[layer, b, j], :, : tokens[b, j]]  # [KVH, n, D]
+                    kmin[layer, b, j], kmax[layer, b, j] = page.min(1), page.max(1)
+        feeds.update(page_pinned=pinned, page_tokens=tokens,
+                     attend_pages=np.array([max(1, round(attend_fraction * k)) for k in n_pages], np.int64),
+                     key_min=kmin, key_max=kmax,
+                     page_saliency=rng.random((L, batch, m)).astype(np.float32),
+                     position_table=rng.random((L, 16)).astype(np.float32))
     return feeds
 
 
 @torch.no_grad()
-def _write_prompt_kv(model: Llama, prompt: torch.Tensor, table: np.ndarray, index: np.ndarray,
-                     feeds: dict[str, np.ndarray]) -> None:
+def _write_prompt_kv(model: Llama, prompt: torch.Tensor, logical_slot: np.ndarray, feeds: dict[str, np.ndarray]) -> None:
     """Prefill ``prompt`` through a paged cache and copy its K/V into the pools of ``feeds``:
-    logical page ``index[j]`` lives in pool page ``table[j]``."""
+    logical page j of layer l lives in pool page ``logical_slot[l, j]``."""
     from tieredkv.models.llama import prefill
     from tieredkv.runtime.paged import PagedCacheConfig, PagedKVCache
 
@@ -363,10 +525,9 @@ def _write_prompt_kv(model: Llama, prompt: torch.Tensor, table: np.ndarray, inde
     sid = cache.add_sequence()
     prefill(model, cache, sid, prompt)
     pos = np.arange(n)
-    slots = dict(zip(index.tolist(), table.tolist()))
-    pool_page, offset = np.array([slots[p // page] for p in pos]), pos % page
     for layer in range(model.config.num_layers):
         k, v, _ = cache.gather(layer, [sid])  # [1, KVH, pages * P, D]
+        pool_page, offset = logical_slot[layer, pos // page], pos % page
         feeds[f"k_pool_{layer}"][pool_page, :, offset] = k[0, :, :n].transpose(0, 1).float().numpy()
         feeds[f"v_pool_{layer}"][pool_page, :, offset] = v[0, :, :n].transpose(0, 1).float().numpy()
 

@@ -122,6 +122,20 @@ class Tokenizer:
             special_ids=frozenset(special),
         )
 
+    def save_hf_dir(self, path: str | Path) -> Path:
+        """Write ``tokenizer.json``, ``tokenizer_config.json`` and a ``config.json`` with the
+        special ids into directory ``path``, which :meth:`from_hf_dir` reads back."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(path / "tokenizer.json"))
+        name = lambda i: self.backend.id_to_token(i) if i is not None else None  # noqa: E731
+        tc = {"bos_token": name(self.bos_token_id), "eos_token": name(self.eos_token_ids[0]) if self.eos_token_ids
+              else None, "add_bos_token": self.add_bos, "chat_template": self.chat_template}
+        (path / "tokenizer_config.json").write_text(json.dumps(tc, indent=1) + "\n")
+        ids = {"bos_token_id": self.bos_token_id, "eos_token_id": list(self.eos_token_ids)}
+        (path / "config.json").write_text(json.dumps(ids, indent=1) + "\n")
+        return path
+
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
         """From ``tokenizer.json`` (+ ``tokenizer_config.json`` when present)."""

@@ -12,6 +12,10 @@ from __future__ import annotations
 import torch
 
 
+#: page_index of a padding column of a page list: past any sequence, so none of its keys is valid
+PAD_PAGE_INDEX = 1 << 40
+
+
 def tiered_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
                      page_mask: torch.Tensor, page_index: torch.Tensor, seq_len: torch.Tensor, past: torch.Tensor,
                      *, scale: float | None = None, with_lse: bool = True

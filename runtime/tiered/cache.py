@@ -25,7 +25,7 @@ import time
 import torch
 
 from tieredkv.models.cache import KVCache, KVSpec, Step
-from tieredkv.plugins.attention import attention_over_pages
+from tieredkv.plugins.attention import PAD_PAGE_INDEX, attention_over_pages
 from tieredkv.plugins.codec import CODECS
 from tieredkv.plugins.codec import page_bytes as codec_page_bytes
 from tieredkv.runtime.tiered.config import KV_DTYPES, TieredKVConfig, resolve_budgets
@@ -188,14 +188,14 @@ class TieredKVCache(KVCache):
         return out, probs.mean(1).sum(1)[0]  # mass per page: mean over heads, sum over queries
 
     def attend(self, step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        mgr, acc = self.mgr, self._access
+        mgr = self.mgr
         self._write(layer, k, v)
         decode = step.num_new == 1
         outs = []
         for b, ctx in enumerate(self._step_ctx):
             recs, rows, t0 = ctx["recs"], ctx["rows"], ctx["t0"]
             t_score = time.perf_counter()
-            sal = mgr.sal_sum[layer, rows] / ctx["tokens"].clamp(min=1)
+            sal = self._saliency(layer, ctx)
             cand = ~t0 if not t0.all() else t0
             rel = self.scorer.relevance(layer, q[b : b + 1, :, -1], mgr.kmin[layer, rows].unsqueeze(0),
                                         mgr.kmax[layer, rows].unsqueeze(0), ctx["tokens"].unsqueeze(0),
@@ -205,22 +205,16 @@ class TieredKVCache(KVCache):
             resident = mgr.resident(layer, rows)
             if decode:
                 selected = self._select(self.scorer.mix(rel, pos, sal, self.selection_weights), t0)
-                need = selected & ~t0
-                acc.needed[layer, rows] = need
-                acc.missing[layer, rows] = need & ~resident
                 attended = selected if self.config.mode == "exact" else selected & resident
-                mgr.metrics.masked += int((selected & ~attended).sum())
             else:
-                attended = torch.ones_like(t0)
+                selected = attended = torch.ones_like(t0)
             t_att = time.perf_counter()
             sub = attended.nonzero().flatten()
             out, mass = self._attend_pages(layer, q[b : b + 1], recs[sub], ctx, ctx["index"][sub])
-            acc.streamed[layer, rows] = attended & ~resident
             mass_all = torch.zeros(len(recs))
             mass_all[sub] = mass
-            acc.mass[layer, rows] = mass_all
-            acc.importance[layer, rows] = self._observed_importance(rel, pos, sal, attended, mass)
-            acc.scored[layer, rows] = True
+            self._record(layer, ctx, decode=decode, selected=selected, attended=attended, resident=resident,
+                         rel=rel, sal=sal, mass=mass_all)
             outs.append(out)
             t_end = time.perf_counter()
             m = mgr.metrics
@@ -228,6 +222,122 @@ class TieredKVCache(KVCache):
             m.select_seconds += t_att - t_sel
             m.attention_seconds += t_end - t_att
         return torch.cat(outs, dim=0)
+
+    def _saliency(self, layer: int, ctx: dict) -> torch.Tensor:
+        return self.mgr.sal_sum[layer, ctx["rows"]] / ctx["tokens"].clamp(min=1)
+
+    def _record(self, layer: int, ctx: dict, *, decode: bool, selected: torch.Tensor, attended: torch.Tensor,
+                resident: torch.Tensor, rel: torch.Tensor, sal: torch.Tensor, mass: torch.Tensor) -> None:
+        """The step's access record of one sequence in one layer (what the TierManager learns
+        from): needed and missing pages (decode), masked misses, pages streamed, attention mass
+        and the importance kept between steps. ``mass`` [M]: 0 where not attended."""
+        acc, rows, t0 = self._access, ctx["rows"], ctx["t0"]
+        if decode:
+            need = selected & ~t0
+            acc.needed[layer, rows] = need
+            acc.missing[layer, rows] = need & ~resident
+            self.mgr.metrics.masked += int((selected & ~attended).sum())
+        acc.streamed[layer, rows] = attended & ~resident
+        acc.mass[layer, rows] = mass
+        acc.importance[layer, rows] = self._observed_importance(rel, ctx["pos"][layer], sal, attended, mass[attended])
+        acc.scored[layer, rows] = True
+
+    # ------------------------------------------------------------------ engine steps
+    def engine_feeds(self, step: Step, *, tiered_graph: bool) -> dict[str, torch.Tensor]:
+        """The inputs of an engine's step graph (``builder/export.py``) for the open step,
+        as CPU tensors (the pools are the device pool itself when nothing is staged).
+
+        A listed page is in a layer's pool when it is resident in full precision, or staged
+        for this step: warm pages decoded, and (exact mode, prefill) the non-resident pages
+        read from the host/disk tiers — the graph attends the selected pages among them, as
+        ``attend`` does. Staging is accounted for the pages actually attended only
+        (:meth:`engine_finish`), as if the kernel fetched them on demand."""
+        mgr, P = self.mgr, self.config.page_size
+        ctxs, L, T = self._step_ctx, mgr.L, step.num_new
+        decode = T == 1
+        stage_missing = not decode or self.config.mode == "exact"
+        B, M = len(ctxs), max(len(c["recs"]) for c in ctxs)
+        index = torch.full((B, M), PAD_PAGE_INDEX, dtype=torch.long)
+        tokens = torch.zeros(B, M, dtype=torch.long)
+        pinned = torch.zeros(B, M, dtype=torch.bool)
+        valid = torch.zeros(B, M, dtype=torch.bool)
+        recs = torch.zeros(B, M, dtype=torch.long)
+        for b, c in enumerate(ctxs):
+            n = len(c["recs"])
+            index[b, :n], tokens[b, :n], pinned[b, :n], valid[b, :n] = c["index"], c["tokens"], c["t0"], True
+            recs[b, :n], recs[b, n:] = c["recs"], c["recs"][0]
+        flat = recs.flatten()
+        dslot = mgr.dev_slot[:, flat].view(L, B, M)
+        wslot = mgr.warm_slot[:, flat].view(L, B, M)
+        full = (dslot >= 0) & valid
+        stage = valid & ~full & ((wslot >= 0) | stage_missing)
+        table = torch.where(full, dslot, torch.zeros_like(dslot))
+        feeds: dict[str, torch.Tensor] = {}
+        for layer in range(L):
+            k_pool, v_pool = mgr.device.k[layer], mgr.device.v[layer]
+            cols = stage[layer].nonzero()
+            if len(cols):
+                st_recs = recs[cols[:, 0], cols[:, 1]]
+                k_st, v_st = self._stage(layer, st_recs, wslot[layer, cols[:, 0], cols[:, 1]])
+                table[layer, cols[:, 0], cols[:, 1]] = k_pool.shape[0] + torch.arange(len(cols))
+                k_pool, v_pool = torch.cat([k_pool.float(), k_st]), torch.cat([v_pool.float(), v_st])
+            feeds[f"k_pool_{layer}"], feeds[f"v_pool_{layer}"] = k_pool.float(), v_pool.float()
+        write_recs = torch.stack([c["write_recs"] for c in ctxs])  # [B, T]
+        feeds.update(seq_len=torch.cat([c["seq_len"] for c in ctxs]), page_index=index, page_table=table,
+                     page_mask=full | stage, write_slot=mgr.dev_slot[:, write_recs.flatten()].view(L, B, T),
+                     write_offset=torch.stack([c["write_off"] for c in ctxs]))
+        if tiered_graph:
+            budget = self.budgets.attention_pages
+            attend = PAD_PAGE_INDEX if budget is None or not decode else budget
+            feeds.update(page_pinned=pinned, page_tokens=tokens, attend_pages=torch.full((B,), attend),
+                         key_min=mgr.kmin[:, flat].view(L, B, M, *mgr.kmin.shape[2:]).float(),
+                         key_max=mgr.kmax[:, flat].view(L, B, M, *mgr.kmax.shape[2:]).float(),
+                         page_saliency=(mgr.sal_sum[:, flat].view(L, B, M) / tokens.clamp(min=1)).float(),
+                         position_table=self.scorer.position.detach().float())
+        return feeds
+
+    def _stage(self, layer: int, recs: torch.Tensor, warm_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pages ``recs`` of one layer in float32 for a step's pool: warm ones decoded, the
+        others read from their host/disk copy (not counted here)."""
+        mgr = self.mgr
+        k = torch.empty((len(recs), *mgr.device.page_shape))
+        v = torch.empty_like(k)
+        warm = warm_slots >= 0
+        layers = torch.full_like(recs, layer)
+        for idx, read in ((warm.nonzero().flatten(), lambda i: mgr.warm.read(layers[i], warm_slots[i])),
+                          ((~warm).nonzero().flatten(), lambda i: mgr.fetch(layer, recs[i]))):
+            if len(idx):
+                ks, vs = read(idx)
+                k.index_copy_(0, idx, ks.float())
+                v.index_copy_(0, idx, vs.float())
+        return k, v
+
+    def engine_finish(self, step: Step, feeds: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> None:
+        """Finish an engine step: write the new K/V (``k_new``, ``v_new`` [L, B, KVH, T, D]),
+        record each layer's access from the graph's selection, relevance and attention mass
+        (``attend`` records the same for the torch backend), close the step."""
+        mgr = self.mgr
+        decode = step.num_new == 1
+        for layer in range(mgr.L):
+            self._write(layer, outputs["k_new"][layer], outputs["v_new"][layer])
+        in_pool = feeds["page_mask"]
+        tiered = "page_selected" in outputs
+        for layer in range(mgr.L):
+            for b, ctx in enumerate(self._step_ctx):
+                n, rows = len(ctx["recs"]), ctx["rows"]
+                if tiered:
+                    selected = outputs["page_selected"][layer, b, :n]
+                    rel, mass = outputs["page_relevance"][layer, b, :n], outputs["page_mass"][layer, b, :n]
+                else:  # a plain graph attends every page in its pool (the cache has no budget)
+                    selected, rel, mass = torch.ones(n, dtype=torch.bool), torch.zeros(n), torch.zeros(n)
+                attended = selected & in_pool[layer, b, :n]
+                off = attended & (mgr.dev_slot[layer, ctx["recs"]] < 0)
+                warm = off & (mgr.warm_slot[layer, ctx["recs"]] >= 0)
+                mgr.metrics.warm_reads += int(warm.sum())
+                mgr.count_stream(layer, ctx["recs"][off & ~warm])
+                self._record(layer, ctx, decode=decode, selected=selected, attended=attended,
+                             resident=mgr.resident(layer, rows), rel=rel, sal=self._saliency(layer, ctx), mass=mass)
+        self.end_step(step)
 
     def _select(self, score: torch.Tensor, t0: torch.Tensor) -> torch.Tensor:
         budget = self.budgets.attention_pages

@@ -262,10 +262,24 @@ class TierManager:
 
     def stream(self, layer: int, recs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy non-resident pages of one layer into the staging area (for one step's attention)."""
-        layers = torch.full_like(recs, layer)
-        self.metrics.streamed_pages += len(recs)
-        self.metrics.staging_rounds += -(-len(recs) // max(1, self.staging_pages))
-        return self._source_read(layers, recs)
+        self.count_stream(layer, recs)
+        return self.fetch(layer, recs)
+
+    def fetch(self, layer: int, recs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of non-resident pages of one layer from their host/disk copies, not accounted
+        (the caller accounts what it uses with :meth:`count_stream`)."""
+        return self._source_read(torch.full_like(recs, layer), recs, torch.zeros(len(recs), dtype=torch.bool))
+
+    def count_stream(self, layer: int, recs: torch.Tensor) -> None:
+        """Account one step's streaming of non-resident pages ``recs`` of one layer: pages,
+        staging rounds, host-to-device bytes and the disk reads among them."""
+        if not len(recs):
+            return
+        m = self.metrics
+        m.streamed_pages += len(recs)
+        m.staging_rounds += -(-len(recs) // max(1, self.staging_pages))
+        m.bytes_disk_read += int((self.host_slot[layer, recs] < 0).sum()) * self.page_bytes
+        m.bytes_h2d += len(recs) * self.page_bytes
 
     def _ensure_host_room(self, need: torch.Tensor, leaving: torch.Tensor) -> None:
         """Free host slots per layer [L] when the host budget is bounded: drop host copies of

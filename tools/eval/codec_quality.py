@@ -102,7 +102,7 @@ def main() -> int:
     loaded = load_checkpoint(resolve_model(None, log=log))
     model, cfg, tok = loaded.model, loaded.config, loaded.tokenizer
     ids = tok.encode(pg_essays_text(log=log), add_bos=False)
-    windows = split_windows(ids, args.window, args.windows)
+    windows = split_windows(ids, args.window, args.windows) if args.windows > 0 else []  # 0: passkey only
     ctx = context_length(args.window, args.context_fraction)
     for w_i, w in enumerate(windows):
         w = list(w)
@@ -156,20 +156,22 @@ def main() -> int:
         return rs, n
 
     ref_rs, ref_n = agg(REFERENCE)
-    ref_ppl = math.exp(sum(r["nll_sum"] for r in ref_rs) / ref_n)
+    ref_ppl = math.exp(sum(r["nll_sum"] for r in ref_rs) / ref_n) if ref_n else float("nan")
     pk = lambda name: results.get(f"{name}/passkey")  # noqa: E731
     fmt_pk = lambda p: (f"{p['accuracy']:.2f} | {p['mean_logprob']:.3f}" if p else "– | –")  # noqa: E731
     lines.append(f"| float16 (reference) | 16.00 | 1.00 | {ref_ppl:.4f} | – | – | – | {fmt_pk(pk(REFERENCE))} |")
-    for name in args.codecs:
+    for name in dict.fromkeys(list(args.codecs) + list(args.passkey_codecs)):
         rs, n = agg(name)
-        if not rs:
-            continue
-        # same windows as the reference
-        ppl = math.exp(sum(r["nll_sum"] for r in rs) / n)
         bpv = bits_per_value(CODECS[name], cfg.num_kv_heads, 16, cfg.head_dim)
-        lines.append(f"| {name} | {bpv:.2f} | {16 / bpv:.2f} | {ppl:.4f} | {ppl - ref_ppl:+.4f} | "
-                     f"{sum(r['kl_sum'] for r in rs) / n:.5f} | {sum(r['top1_changed'] for r in rs) / n:.2%} | "
-                     f"{fmt_pk(pk(name))} |")
+        if rs:  # same windows as the reference
+            ppl = math.exp(sum(r["nll_sum"] for r in rs) / n)
+            quality = (f"{ppl:.4f} | {ppl - ref_ppl:+.4f} | {sum(r['kl_sum'] for r in rs) / n:.5f} | "
+                       f"{sum(r['top1_changed'] for r in rs) / n:.2%}")
+        elif pk(name):
+            quality = "– | – | – | –"
+        else:
+            continue
+        lines.append(f"| {name} | {bpv:.2f} | {16 / bpv:.2f} | {quality} | {fmt_pk(pk(name))} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -1,0 +1,299 @@
+"""Engine backends: run an engine directory (``builder/build_engine.py``) step by step under
+the tiered KV runtime, in place of the PyTorch model.
+
+A backend looks like the reference model to everything above it — ``config``,
+``kv_spec()`` and ``backend(tokens, positions, cache, seq_ids, last_only=...)`` — so
+generation, the batch API and the eval commands take either. Per step the cache
+(:class:`~tieredkv.runtime.tiered.cache.TieredKVCache`) provides the graph's inputs
+(``engine_feeds``: page tables, residency masks, device pools, key summaries, scorer
+parameters), the engine computes logits, the new K/V, page selection, relevance and
+attention mass, and the cache finishes the step (``engine_finish``: writes the K/V, records
+the access, lets the TierManager migrate and admit) — the same decisions the torch
+backend takes inside its forward pass.
+
+* :class:`OnnxRuntimeBackend` — ONNX Runtime with IOBinding; CPU here, the CUDA execution
+  provider where onnxruntime-gpu and a GPU are present.
+* :class:`TensorRTBackend` — the same interface over a serialized TensorRT engine built on
+  a GPU machine; importable anywhere, it fails with a clear error without TensorRT.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tieredkv.errors import ConfigError, TieredKVError
+from tieredkv.models.cache import KVCache, KVSpec
+from tieredkv.models.config import LlamaConfig
+
+__all__ = ["ENGINE_FORMAT", "ENGINE_FORMAT_VERSION", "CONFIG_FILE", "STEP_GRAPH", "TRT_ENGINE", "EngineInfo",
+           "EngineError", "BackendUnavailableError", "read_engine_dir", "OnnxRuntimeBackend", "TensorRTBackend",
+           "load_backend", "load_engine", "BACKENDS"]
+
+ENGINE_FORMAT = "tieredkv-engine"
+ENGINE_FORMAT_VERSION = 2
+CONFIG_FILE = "config.json"
+STEP_GRAPH = "step.onnx"
+TRT_ENGINE = "step.plan"
+
+
+class EngineError(TieredKVError):
+    """An engine directory is missing, incomplete, of another format version, or does not
+    fit the cache it is asked to run with."""
+
+
+class BackendUnavailableError(TieredKVError):
+    """The runtime a backend needs (onnxruntime, TensorRT) is not installed or has no device."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What ``config.json`` of an engine directory says."""
+
+    path: Path
+    model: LlamaConfig
+    tiered_kv: bool
+    page_size: int
+    selection_weights: tuple[float, float, float]
+    graph: Path
+    tensorrt_engine: Path | None
+    raw: dict[str, Any]
+
+
+def read_engine_dir(path: str | Path) -> EngineInfo:
+    """Read and check an engine directory; raises :class:`EngineError` naming what is wrong."""
+    path = Path(path).expanduser()
+    cfg_file = path / CONFIG_FILE
+    if not path.is_dir():
+        raise EngineError(f"{path}: engine directory not found (build one with builder/build_engine.py --tiered-kv)")
+    if not cfg_file.is_file():
+        raise EngineError(f"{path}: not an engine directory ({CONFIG_FILE} is missing)")
+    try:
+        raw = json.loads(cfg_file.read_text())
+        fmt, version = raw["format"], raw["format_version"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise EngineError(f"{cfg_file}: not a tieredkv engine config ({exc})") from None
+    if fmt != ENGINE_FORMAT or version != ENGINE_FORMAT_VERSION:
+        raise EngineError(f"{cfg_file}: format {fmt!r} version {version!r}; this tieredkv reads {ENGINE_FORMAT!r} "
+                          f"version {ENGINE_FORMAT_VERSION} — rebuild the engine with this version's builder")
+    try:
+        model = LlamaConfig.from_dict(raw["model"])
+        build = raw["build"]
+        graph = path / raw["graphs"]["step"]["file"]
+        trt = build.get("tensorrt_engine")
+        info = EngineInfo(path=path, model=model, tiered_kv=bool(raw["tiered_kv"]), page_size=int(build["page_size"]),
+                          selection_weights=tuple(float(x) for x in build["selection_weights"]), graph=graph,
+                          tensorrt_engine=path / trt if trt else None, raw=raw)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EngineError(f"{cfg_file}: incomplete engine config (missing or bad {exc})") from None
+    if not graph.is_file():
+        raise EngineError(f"{path}: the step graph {graph.name} is missing")
+    return info
+
+
+class _Backend:
+    """What the backends share: the model-like face and the step protocol with the cache."""
+
+    name = "engine"
+
+    def __init__(self, engine_dir: str | Path) -> None:
+        self.engine = read_engine_dir(engine_dir)
+        self.config = self.engine.model
+        self.dtype = torch.float32
+        self.run_seconds = 0.0
+        self.steps = 0
+
+    def kv_spec(self) -> KVSpec:
+        c = self.config
+        return KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32)
+
+    def check_cache(self, cache: KVCache) -> None:
+        """The cache must be the tiered cache with the engine's page size and selection mix; a
+        plain engine (no --tiered-kv) needs a cache without budgets (it cannot select)."""
+        from tieredkv.runtime.tiered.cache import TieredKVCache
+
+        if not isinstance(cache, TieredKVCache):
+            raise ConfigError(f"the {self.name} backend runs under the tiered KV cache; got {type(cache).__name__} "
+                              "(use LLM(..., kv=TieredKVConfig()) — unlimited budgets equal the plain paged cache)")
+        cfg, eng = cache.config, self.engine
+        if cfg.page_size != eng.page_size:
+            raise ConfigError(f"page_size {cfg.page_size} of the KV config does not match the engine's "
+                              f"{eng.page_size} ({eng.path}); set page_size = {eng.page_size} or rebuild the engine")
+        if eng.tiered_kv and tuple(cache.selection_weights) != eng.selection_weights:
+            raise ConfigError(f"selection_weights {tuple(cache.selection_weights)} do not match the engine's "
+                              f"{eng.selection_weights} (baked into its ImportanceScore nodes); rebuild with "
+                              "--selection-weights or change the KV config")
+        if not eng.tiered_kv and (cache.budgets.device_pages is not None or cache.budgets.attention_pages is not None):
+            raise ConfigError(f"{eng.path} was built without --tiered-kv (plain paged attention): it cannot select "
+                              "pages, so it runs only without device or attention budgets")
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                 seq_ids: list[int] | tuple[int, ...], *, last_only: bool = False) -> torch.Tensor:
+        """tokens, positions: [B, T] int64 (one row per sequence in ``seq_ids``). Returns logits
+        [B, T, vocab] (float32), or [B, 1, vocab] with ``last_only`` — as ``Llama.forward``."""
+        self.check_cache(cache)
+        step = cache.begin_step(seq_ids, tokens.shape[1])
+        feeds = cache.engine_feeds(step, tiered_graph=self.engine.tiered_kv)
+        feeds.update(input_ids=tokens.long(), positions=positions.long())
+        t0 = time.perf_counter()
+        outputs = self.run(feeds)
+        self.run_seconds += time.perf_counter() - t0
+        self.steps += 1
+        cache.engine_finish(step, feeds, outputs)
+        logits = outputs["logits"]
+        return logits[:, -1:] if last_only else logits
+
+    forward = __call__
+
+    def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+class OnnxRuntimeBackend(_Backend):
+    """The engine's step graph in ONNX Runtime, inputs and outputs bound with IOBinding.
+
+    ``providers``: ONNX Runtime execution providers (default: CUDA when onnxruntime offers it,
+    else CPU). ``threads``: intra-op threads (default: torch's)."""
+
+    name = "onnxruntime"
+
+    def __init__(self, engine_dir: str | Path, *, providers: list[str] | None = None,
+                 threads: int | None = None) -> None:
+        super().__init__(engine_dir)
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            raise BackendUnavailableError("the onnxruntime backend needs onnxruntime: pip install 'tieredkv[onnx]'") \
+                from None
+        available = ort.get_available_providers()
+        if providers is None:
+            providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+        missing = [p for p in providers if p not in available]
+        if missing:
+            raise BackendUnavailableError(f"ONNX Runtime {ort.__version__} here offers {available}, not {missing}")
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads or torch.get_num_threads()
+        opts.inter_op_num_threads = 1
+        self.session = ort.InferenceSession(str(self.engine.graph), opts, providers=providers)
+        self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        missing = set(self.input_names) - set(feeds)
+        if missing:
+            raise EngineError(f"{self.engine.graph}: the cache supplied no {sorted(missing)}")
+        binding = self.session.io_binding()
+        for name in self.input_names:
+            t = feeds[name].contiguous()
+            if t.dtype == torch.bool or t.device.type == "cpu":
+                binding.bind_cpu_input(name, t.cpu().numpy())
+            else:  # device tensors are bound in place
+                binding.bind_input(name, t.device.type, t.device.index or 0, _NP_DTYPES[t.dtype], list(t.shape),
+                                   t.data_ptr())
+        for name in self.output_names:
+            binding.bind_output(name, self.device)
+        self.session.run_with_iobinding(binding)
+        return {n: torch.from_numpy(v) for n, v in zip(self.output_names, binding.copy_outputs_to_cpu())}
+
+
+_NP_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_}
+
+
+class TensorRTBackend(_Backend):
+    """The engine's serialized TensorRT engine (``step.plan``, built on a GPU machine by
+    ``build_engine.py`` where TensorRT is installed, with the tieredkv plugin library).
+    Importable without TensorRT; constructing it there raises BackendUnavailableError."""
+
+    name = "tensorrt"
+
+    def __init__(self, engine_dir: str | Path, *, plugin_library: str | Path | None = None) -> None:
+        super().__init__(engine_dir)
+        try:
+            import tensorrt as trt
+        except ImportError:
+            raise BackendUnavailableError(
+                "the tensorrt backend needs TensorRT (>= 10.15) and a CUDA GPU; TensorRT is not installed here. "
+                f"Run {self.engine.path} with --backend onnxruntime, or build its TensorRT engine on a GPU machine "
+                "(docs/plugins.md, 'Building the TensorRT engine')") from None
+        if not torch.cuda.is_available():
+            raise BackendUnavailableError("the tensorrt backend needs a CUDA GPU; torch sees none")
+        if self.engine.tensorrt_engine is None or not self.engine.tensorrt_engine.is_file():
+            raise EngineError(f"{self.engine.path} holds no TensorRT engine ({TRT_ENGINE}); rebuild it on a machine "
+                              "with TensorRT: python builder/build_engine.py --tiered-kv ... --force")
+        lib = plugin_library or self.engine.raw["build"].get("plugin_library")
+        if lib:
+            trt.get_plugin_registry().load_library(str(lib))
+        self._trt = trt
+        logger = trt.Logger(trt.Logger.WARNING)
+        runtime = trt.Runtime(logger)
+        self.trt_engine = runtime.deserialize_cuda_engine(self.engine.tensorrt_engine.read_bytes())
+        if self.trt_engine is None:
+            raise EngineError(f"{self.engine.tensorrt_engine}: TensorRT could not deserialize the engine (built with "
+                              "another TensorRT version or GPU?)")
+        self.context = self.trt_engine.create_execution_context()
+        self.stream = torch.cuda.Stream()
+
+    def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        trt, eng, ctx = self._trt, self.trt_engine, self.context
+        names = [eng.get_tensor_name(i) for i in range(eng.num_io_tensors)]
+        inputs = [n for n in names if eng.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        keep = {}
+        for name in inputs:
+            t = feeds[name].contiguous().cuda()
+            keep[name] = t
+            ctx.set_input_shape(name, tuple(t.shape))
+            ctx.set_tensor_address(name, t.data_ptr())
+        outputs = {}
+        for name in names:
+            if name in keep:
+                continue
+            shape = tuple(ctx.get_tensor_shape(name))
+            dtype = {trt.float32: torch.float32, trt.bool: torch.bool, trt.int64: torch.int64}[eng.get_tensor_dtype(name)]
+            outputs[name] = torch.empty(shape, dtype=dtype, device="cuda")
+            ctx.set_tensor_address(name, outputs[name].data_ptr())
+        if not ctx.execute_async_v3(self.stream.cuda_stream):
+            raise EngineError("TensorRT failed to run the step")
+        self.stream.synchronize()
+        return {n: t.cpu() for n, t in outputs.items()}
+
+
+BACKENDS = {"onnxruntime": OnnxRuntimeBackend, "tensorrt": TensorRTBackend}
+
+
+def load_backend(engine_dir: str | Path, backend: str = "auto", **kwargs) -> _Backend:
+    """The backend for ``engine_dir``: ``auto`` takes TensorRT when the directory holds a
+    TensorRT engine and TensorRT is importable, else ONNX Runtime."""
+    if backend == "auto":
+        info = read_engine_dir(engine_dir)
+        backend = "onnxruntime"
+        if info.tensorrt_engine is not None and info.tensorrt_engine.is_file():
+            try:
+                import tensorrt  # noqa: F401
+
+                backend = "tensorrt"
+            except ImportError:
+                pass
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown engine backend {backend!r}; expected auto or one of {sorted(BACKENDS)}")
+    return BACKENDS[backend](engine_dir, **kwargs)
+
+
+def load_engine(engine_dir: str | Path, backend: str = "auto", **kwargs):
+    """An engine directory as a :class:`~tieredkv.models.loading.LoadedModel`: the backend in
+    place of the model, and the tokenizer saved beside the graph."""
+    from tieredkv.models.loading import LoadedModel
+    from tieredkv.models.tokenizer import Tokenizer
+
+    runner = load_backend(engine_dir, backend, **kwargs)
+    tok_dir = runner.engine.raw.get("tokenizer")
+    tokenizer = Tokenizer.from_hf_dir(runner.engine.path / tok_dir) if tok_dir else None
+    return LoadedModel(model=runner, tokenizer=tokenizer, config=runner.config, source=runner.engine.path,
+                       format=f"engine ({runner.name})")

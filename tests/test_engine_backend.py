@@ -1,0 +1,180 @@
+"""Engine backends under the tiered runtime: an engine directory built from a tiny random
+Llama runs through ONNX Runtime (`OnnxRuntimeBackend`) and gives the torch backend's greedy
+tokens *and* the same tier decisions (every TierMetrics counter) — unlimited budgets, exact
+and masked mode under a budget, the warm compressed sub-tier, batches and chunked prefill;
+`TensorRTBackend` fails clearly without TensorRT; bad engine directories and mismatched
+cache configs give typed errors. SmolLM2: tests/test_integration_engine.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime")
+
+from helpers import tiny_model, write_gguf  # noqa: E402
+from tieredkv.builder import build_engine  # noqa: E402
+from tieredkv.errors import ConfigError  # noqa: E402
+from tieredkv.models.loading import load_checkpoint  # noqa: E402
+from tieredkv.models.tokenizer import Tokenizer  # noqa: E402
+from tieredkv.runtime.engine import (  # noqa: E402
+    BackendUnavailableError,
+    EngineError,
+    OnnxRuntimeBackend,
+    TensorRTBackend,
+    load_backend,
+    read_engine_dir,
+)
+from tieredkv.runtime.llm import LLM  # noqa: E402
+from tieredkv.runtime.sampling import SamplingParams  # noqa: E402
+from tieredkv.runtime.tiered.config import TieredKVConfig  # noqa: E402
+
+PAGE = 4
+TIGHT = dict(page_size=PAGE, sink_tokens=4, recent_tokens=8, device_budget=40, attention_budget=24)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(checkpoint, tiered engine dir, plain engine dir) of one tiny model."""
+    root = tmp_path_factory.mktemp("engines")
+    gguf = write_gguf(root / "tiny.gguf", tiny_model(seed=5))
+    for flag, name in ((["--tiered-kv"], "tiered"), ([], "plain")):
+        rc = build_engine.main([*flag, "--model", str(gguf), "--output", str(root / name), "--page-size", str(PAGE)])
+        assert rc == 0
+    return gguf, root / "tiered", root / "plain"
+
+
+@pytest.fixture(scope="module")
+def torch_model(built):
+    return load_checkpoint(built[0]).model
+
+
+@pytest.fixture(scope="module")
+def backend(built):
+    return OnnxRuntimeBackend(built[1], threads=1)
+
+
+def prompts(*lengths: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (n,), generator=gen).tolist() for n in lengths]
+
+
+def run(model, kv: TieredKVConfig, ids: list[list[int]], *, new_tokens: int = 20, chunk: int = 16):
+    llm = LLM.from_model(model, None, kv=kv, prefill_chunk=chunk)
+    out = llm.generate(ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    metrics = {k: v for k, v in vars(llm.last_cache.metrics).items() if not k.endswith("seconds")}
+    return [c.token_ids for c in out], metrics, llm.last_cache
+
+
+@pytest.mark.parametrize("kv", [
+    TieredKVConfig(page_size=PAGE),
+    TieredKVConfig(**TIGHT, mode="exact"),
+    TieredKVConfig(**TIGHT, mode="masked", policy="lru"),
+    TieredKVConfig(**TIGHT, mode="exact", warm_codec="int4", warm_fraction=0.5),
+], ids=["unlimited", "exact-budget", "masked-budget", "warm-int4"])
+def test_greedy_tokens_and_tier_decisions_equal_the_torch_backend(torch_model, backend, kv):
+    ids = prompts(70, 33)  # prefill in chunks of 16 under the budget, then decode past it
+    want_tokens, want_metrics, _ = run(torch_model, kv, ids)
+    got_tokens, got_metrics, cache = run(backend, kv, ids)
+    assert got_tokens == want_tokens
+    assert got_metrics == want_metrics
+    if kv.device_budget is not None:
+        assert want_metrics["misses"] > 0 or want_metrics["masked"] > 0  # the budget is at work
+    cache.mgr.check_invariants()
+
+
+def test_backend_is_a_drop_in_for_the_model(backend, torch_model):
+    assert backend.config == load_checkpoint(backend.engine.raw["source"]["path"]).config
+    assert backend.kv_spec() == torch_model.kv_spec()
+    assert backend.steps > 0 and backend.run_seconds > 0
+    assert read_engine_dir(backend.engine.path).selection_weights == (1.0, 0.0, 0.0)
+
+
+def test_plain_engine_runs_without_budgets_only(built, torch_model):
+    plain = OnnxRuntimeBackend(built[2], threads=1)
+    ids = prompts(21, 9, seed=3)
+    assert run(plain, TieredKVConfig(page_size=PAGE), ids)[0] == run(torch_model, TieredKVConfig(page_size=PAGE), ids)[0]
+    with pytest.raises(ConfigError, match="without --tiered-kv"):
+        run(plain, TieredKVConfig(**TIGHT), ids)
+
+
+def test_mismatched_cache_configs_are_refused(backend):
+    ids = prompts(9)
+    with pytest.raises(ConfigError, match="page_size 16 .* engine's 4"):
+        run(backend, TieredKVConfig(), ids)
+    with pytest.raises(ConfigError, match="selection_weights"):
+        run(backend, TieredKVConfig(page_size=PAGE, selection_weights=(0.5, 0.5, 0.0)), ids)
+    with pytest.raises(ConfigError, match="tiered KV cache"):
+        LLM.from_model(backend, None, prefill_chunk=16).generate(ids, SamplingParams(max_new_tokens=2))
+
+
+def test_engine_dir_errors(built, tmp_path):
+    with pytest.raises(EngineError, match="not found"):
+        read_engine_dir(tmp_path / "nope")
+    with pytest.raises(EngineError, match="config.json is missing"):
+        read_engine_dir(tmp_path)
+    bad = tmp_path / "old"
+    shutil.copytree(built[1], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(cfg, format_version=1)))
+    with pytest.raises(EngineError, match="version 1.*rebuild"):
+        read_engine_dir(bad)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    (bad / "step.onnx").unlink()
+    with pytest.raises(EngineError, match="step.onnx is missing"):
+        read_engine_dir(bad)
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(EngineError, match="not a tieredkv engine config"):
+        read_engine_dir(bad)
+
+
+def test_tensorrt_backend_without_tensorrt_says_what_to_do(built):
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("TensorRT is installed here")
+    with pytest.raises(BackendUnavailableError, match="TensorRT is not installed.*onnxruntime"):
+        TensorRTBackend(built[1])
+    assert isinstance(load_backend(built[1], threads=1), OnnxRuntimeBackend)  # auto falls back
+    with pytest.raises(ConfigError, match="unknown engine backend"):
+        load_backend(built[1], "tvm")
+
+
+def test_engine_tokenizer_round_trips(built):
+    original = load_checkpoint(built[0]).tokenizer
+    saved = Tokenizer.from_hf_dir(built[1] / "tokenizer")
+    text = "hello world, hello"
+    assert saved.encode(text) == original.encode(text)
+    assert (saved.bos_token_id, saved.eos_token_ids, saved.add_bos) == \
+        (original.bos_token_id, original.eos_token_ids, original.add_bos)
+    assert saved.chat_template == original.chat_template
+
+
+def test_llm_from_engine_and_cli_generate_with_engine(built, torch_model, tmp_path):
+    import subprocess
+    import sys
+
+    llm = LLM.from_engine(str(built[1]), backend="onnxruntime", threads=1, prefill_chunk=16)
+    assert llm.kv_config.page_size == PAGE and llm.tokenizer is not None
+    ids = prompts(25)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    assert llm.generate(ids, params)[0].token_ids == run(torch_model, TieredKVConfig(page_size=PAGE), ids,
+                                                         new_tokens=8)[0][0]
+    env = dict(__import__("os").environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "tieredkv.cli", "generate", "--prompt", "hello world", "--max-new-tokens", "6",
+           "--json", "--no-stream"]
+    outs = []
+    for extra in (["--engine", str(built[1]), "--backend", "onnxruntime"], ["--model", str(built[0]), "--page-size",
+                                                                             str(PAGE)]):
+        proc = subprocess.run(cmd + extra, capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        outs.append(json.loads(proc.stdout.strip().splitlines()[-1])["completions"][0]["token_ids"])
+    assert outs[0] == outs[1] and len(outs[0]) > 0
+    proc = subprocess.run(cmd + ["--engine", str(built[1]), "--model", str(built[0])], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode != 0 and "--engine" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,58 @@
+"""The real SmolLM2 as an engine: `build_engine.py --tiered-kv` builds it on CPU (onnx
+checker and ONNX Runtime verification inside), and the ONNX Runtime backend under the
+tiered runtime gives the torch backend's greedy tokens for fixed prompts — with the full
+cache and with a 25 % device budget in exact and masked mode."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("onnxruntime")
+
+from tieredkv.builder import build_engine  # noqa: E402
+from tieredkv.runtime.engine import OnnxRuntimeBackend  # noqa: E402
+from tieredkv.runtime.llm import LLM  # noqa: E402
+from tieredkv.runtime.sampling import SamplingParams  # noqa: E402
+from tieredkv.runtime.tiered.config import TieredKVConfig  # noqa: E402
+
+pytestmark = pytest.mark.slow
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def engine(smollm, tmp_path_factory):
+    out = tmp_path_factory.mktemp("smollm2") / "engine"
+    assert build_engine.main(["--tiered-kv", "--model", str(smollm.source), "--output", str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["build"]["verification_max_abs_error"]["logits"] < 1e-3
+    assert cfg["build"]["verification_max_abs_error"]["page_selected"] == 0
+    return OnnxRuntimeBackend(out)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm, pg_ids):
+    chat = smollm.tokenizer.encode(smollm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]))
+    return [pg_ids[1000:1600], chat]
+
+
+@pytest.mark.parametrize("kv", [
+    TieredKVConfig(),
+    TieredKVConfig(device_budget="25%", mode="exact"),
+    TieredKVConfig(device_budget="25%", mode="masked"),
+], ids=["full", "25%-exact", "25%-masked"])
+def test_onnxruntime_greedy_equals_torch(smollm, engine, prompts, kv):
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    out, metrics = {}, {}
+    for name, model in (("torch", smollm.model), ("onnxruntime", engine)):
+        llm = LLM.from_model(model, smollm.tokenizer, kv=kv, prefill_chunk=256)
+        out[name] = [c.token_ids for c in llm.generate(prompts, params)]
+        metrics[name] = llm.last_cache.metrics
+    assert out["onnxruntime"] == out["torch"]
+    if kv.device_budget is not None:  # the budget is at work, and both backends decided the same
+        m = metrics["onnxruntime"]
+        assert m.misses + m.masked > 0
+        for field in ("misses", "masked", "streamed_pages", "evicted_pages", "resident_bytes_max"):
+            assert getattr(m, field) == getattr(metrics["torch"], field), field
