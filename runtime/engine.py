@@ -19,6 +19,7 @@ backend takes inside its forward pass.
 
 from __future__ import annotations
 
+import abc
 import json
 import time
 from dataclasses import dataclass
@@ -97,7 +98,7 @@ def read_engine_dir(path: str | Path) -> EngineInfo:
     return info
 
 
-class _Backend:
+class _Backend(abc.ABC):
     """What the backends share: the model-like face and the step protocol with the cache."""
 
     name = "engine"
@@ -152,8 +153,9 @@ class _Backend:
 
     forward = __call__
 
+    @abc.abstractmethod
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """Run the step graph on ``feeds`` (every graph input); returns every output (CPU tensors)."""
 
 
 class OnnxRuntimeBackend(_Backend):
@@ -243,6 +245,10 @@ class TensorRTBackend(_Backend):
 
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         trt, eng, ctx = self._trt, self.trt_engine, self.context
+        # the builder's profiles: 0 = decode (T = 1), 1 = prefill (T > 1)
+        profile = 0 if feeds["input_ids"].shape[1] == 1 else 1
+        if ctx.active_optimization_profile != profile:
+            ctx.set_optimization_profile_async(profile, self.stream.cuda_stream)
         names = [eng.get_tensor_name(i) for i in range(eng.num_io_tensors)]
         inputs = [n for n in names if eng.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         keep = {}

@@ -1,0 +1,45 @@
+// The C ABI of libtieredkv_kernels.so (declared in tieredkv_kernels.h): thin wrappers around
+// the launch_* functions of kernels/*.cuh. The TensorRT plugins call these same functions.
+#include "tieredkv_kernels.h"
+
+#include "kernels/importance_score.cuh"
+#include "kernels/kv_append.cuh"
+#include "kernels/tiered_attention.cuh"
+
+namespace {
+cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
+}  // namespace
+
+extern "C" {
+
+TKV_API int tkv_tiered_attention(const float* q, const float* k_pool, const float* v_pool, const int64_t* page_table,
+                                 const uint8_t* page_mask, const int64_t* page_index, const int64_t* seq_len,
+                                 const int64_t* past, float* out, float* lse, float* page_probs, int64_t B, int64_t H,
+                                 int64_t T, int64_t D, int64_t C, int64_t KVH, int64_t P, int64_t M, float scale,
+                                 void* stream) {
+    return static_cast<int>(tieredkv::kernels::launch_tiered_attention(
+        q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, out, lse, page_probs, B, H, T, D, C,
+        KVH, P, M, scale, as_stream(stream)));
+}
+
+TKV_API int tkv_kv_append(const void* k_pool, const void* v_pool, const void* k_new, const void* v_new,
+                          const int64_t* slot, const int64_t* offset, void* k_pool_out, void* v_pool_out, int64_t C,
+                          int64_t KVH, int64_t P, int64_t D, int64_t N, int32_t elem_bytes, void* stream) {
+    return static_cast<int>(tieredkv::kernels::launch_kv_append(k_pool, v_pool, k_new, v_new, slot, offset,
+                                                                k_pool_out, v_pool_out, C, KVH, P, D, N, elem_bytes,
+                                                                as_stream(stream)));
+}
+
+TKV_API int tkv_importance_score(const float* q, const float* kmin, const float* kmax, const int64_t* page_tokens,
+                                 const int64_t* distance, const float* saliency, const uint8_t* page_mask,
+                                 const float* position_table, float* score, int64_t B, int64_t H, int64_t D,
+                                 int64_t M, int64_t KVH, int64_t NB, float w_rel, float w_pos, float w_sal,
+                                 float scale, void* stream) {
+    return static_cast<int>(tieredkv::kernels::launch_importance_score(
+        q, kmin, kmax, page_tokens, distance, saliency, page_mask, position_table, score, B, H, D, M, KVH, NB, w_rel,
+        w_pos, w_sal, scale, as_stream(stream)));
+}
+
+TKV_API const char* tkv_error_string(int status) { return cudaGetErrorString(static_cast<cudaError_t>(status)); }
+
+}  // extern "C"

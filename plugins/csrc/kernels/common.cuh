@@ -1,0 +1,57 @@
+// Small device helpers shared by the tieredkv kernels (framework-free: CUDA runtime only).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace tieredkv {
+namespace kernels {
+
+constexpr int kWarpSize = 32;
+//! Largest head dim the kernels accept: each lane of a warp holds D / 32 values in registers.
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxPerLane = kMaxHeadDim / kWarpSize;
+
+//! Sum of `x` over the 32 lanes of a warp; every lane gets the total.
+__device__ __forceinline__ float warp_sum(float x) {
+    for (int delta = kWarpSize / 2; delta > 0; delta /= 2) {
+        x += __shfl_xor_sync(0xffffffffu, x, delta);
+    }
+    return x;
+}
+
+//! Dot product of the lane's slice of `a` (registers, element i <-> dim lane + 32 * i) with
+//! `b[0..D)` in global memory; every lane gets the result.
+__device__ __forceinline__ float warp_dot(const float (&a)[kMaxPerLane], const float* __restrict__ b, int D,
+                                          int lane) {
+    float partial = 0.f;
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i) {
+        const int d = lane + kWarpSize * i;
+        if (d < D) partial += a[i] * b[d];
+    }
+    return warp_sum(partial);
+}
+
+//! Merge two (max, sum of exp(x - max)) pairs of an online softmax; -inf max means empty.
+__device__ __forceinline__ void softmax_merge(float& m, float& s, float m2, float s2) {
+    if (m2 == -INFINITY) return;
+    if (m == -INFINITY) {
+        m = m2;
+        s = s2;
+        return;
+    }
+    const float mx = fmaxf(m, m2);
+    s = s * expf(m - mx) + s2 * expf(m2 - mx);
+    m = mx;
+}
+
+//! Number of blocks of `threads` covering `n` items, capped for a grid-stride loop.
+inline unsigned int grid_for(int64_t n, int threads) {
+    const int64_t blocks = (n + threads - 1) / threads;
+    return static_cast<unsigned int>(blocks < 65535 ? blocks : 65535);
+}
+
+}  // namespace kernels
+}  // namespace tieredkv

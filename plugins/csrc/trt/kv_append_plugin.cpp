@@ -1,0 +1,122 @@
+// TensorRT IPluginV3 "KVAppend" (namespace "tieredkv", version "1"); enqueue copies the pools
+// to the outputs (cudaMemcpyAsync) and scatters the new tokens: tkv_kv_append
+// (kernels/kv_append.cuh). No attributes.
+//   inputs  k_pool, v_pool [C,KVH,P,D], k_new, v_new [N,KVH,D] (all one type: f32, f16 or bf16),
+//           slot [N] i64, offset [N] i64
+//   outputs k_pool_out, v_pool_out [C,KVH,P,D] (the pools' type)
+#include "plugin_common.h"
+#include "tieredkv_kernels.h"
+
+#include <new>
+
+namespace tieredkv {
+namespace trt {
+namespace {
+
+using nvinfer1::DataType;
+
+constexpr char kName[] = "KVAppend";
+constexpr int32_t kInputs = 6;
+constexpr int32_t kOutputs = 2;
+
+int32_t element_bytes(DataType type) noexcept {
+    switch (type) {
+        case DataType::kFLOAT: return 4;
+        case DataType::kHALF:
+        case DataType::kBF16: return 2;
+        default: return 0;
+    }
+}
+
+class KVAppendPlugin final : public PluginBase {
+public:
+    KVAppendPlugin() noexcept : PluginBase(kName) {}
+    KVAppendPlugin(KVAppendPlugin const& other) noexcept : PluginBase(other) {}
+
+    nvinfer1::IPluginV3* clone() noexcept override { return new (std::nothrow) KVAppendPlugin(*this); }
+
+    int32_t getNbOutputs() const noexcept override { return kOutputs; }
+
+    int32_t getOutputDataTypes(DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes,
+                               int32_t nbInputs) const noexcept override {
+        if (nbOutputs != kOutputs || nbInputs != kInputs) return 1;
+        outputTypes[0] = inputTypes[0];
+        outputTypes[1] = inputTypes[1];
+        return 0;
+    }
+
+    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs,
+                            nvinfer1::DimsExprs const* /* shapeInputs */, int32_t /* nbShapeInputs */,
+                            nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
+                            nvinfer1::IExprBuilder& /* exprBuilder */) noexcept override {
+        if (nbInputs != kInputs || nbOutputs != kOutputs || inputs[0].nbDims != 4 || inputs[1].nbDims != 4) {
+            return fail("expected pools [C,KVH,P,D]");
+        }
+        outputs[0] = inputs[0];
+        outputs[1] = inputs[1];
+        return 0;
+    }
+
+    //! Pools, new tokens and outputs share one type (f32, f16 or bf16; chosen at position 0);
+    //! slot and offset are int64.
+    bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
+                                   int32_t nbOutputs) noexcept override {
+        if (nbInputs != kInputs || nbOutputs != kOutputs || pos < 0 || pos >= kInputs + kOutputs) return false;
+        if (pos == 4 || pos == 5) return is_linear(inOut[pos], DataType::kINT64);
+        if (pos == 0) {
+            return inOut[0].desc.format == nvinfer1::TensorFormat::kLINEAR && element_bytes(inOut[0].desc.type) > 0;
+        }
+        return is_linear(inOut[pos], inOut[0].desc.type);
+    }
+
+    int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs,
+                          nvinfer1::PluginTensorDesc const* /* out */, int32_t nbOutputs) noexcept override {
+        if (nbInputs != kInputs || nbOutputs != kOutputs) return fail("wrong number of inputs / outputs");
+        nvinfer1::Dims const& pool = in[0].dims;
+        nvinfer1::Dims const& fresh = in[2].dims;
+        if (pool.nbDims != 4 || fresh.nbDims != 3 || fresh.d[1] != pool.d[1] || fresh.d[2] != pool.d[3]) {
+            return fail("expected pools [C,KVH,P,D] and new tokens [N,KVH,D]");
+        }
+        return 0;
+    }
+
+    int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* /* outputDesc */,
+                    void const* const* inputs, void* const* outputs, void* /* workspace */,
+                    cudaStream_t stream) noexcept override {
+        nvinfer1::Dims const& pool = inputDesc[0].dims;  // [C, KVH, P, D]
+        int64_t const n = inputDesc[2].dims.d[0];        // k_new [N, KVH, D]
+        int const status = tkv_kv_append(inputs[0], inputs[1], inputs[2], inputs[3],
+                                         static_cast<int64_t const*>(inputs[4]),
+                                         static_cast<int64_t const*>(inputs[5]), outputs[0], outputs[1], pool.d[0],
+                                         pool.d[1], pool.d[2], pool.d[3], n, element_bytes(inputDesc[0].type), stream);
+        return status == 0 ? 0 : fail(std::string("kernel launch failed: ") + tkv_error_string(status));
+    }
+
+    nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override { return &mNoFields; }
+
+protected:
+    int32_t expectedInputs() const noexcept override { return kInputs; }
+
+private:
+    nvinfer1::PluginFieldCollection mNoFields{};
+};
+
+class KVAppendCreator final : public CreatorBase {
+public:
+    KVAppendCreator() noexcept : CreatorBase(kName, {}) {}
+
+    nvinfer1::IPluginV3* createPlugin(char const* /* name */, nvinfer1::PluginFieldCollection const* /* fc */,
+                                      nvinfer1::TensorRTPhase /* phase */) noexcept override {
+        return new (std::nothrow) KVAppendPlugin();
+    }
+};
+
+}  // namespace
+
+nvinfer1::IPluginCreatorV3One* kv_append_creator() noexcept {
+    static KVAppendCreator creator;
+    return &creator;
+}
+
+}  // namespace trt
+}  // namespace tieredkv
