@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,23 @@ def test_kernels_library_exports_the_c_abi(build_dir):
     lib = build_dir / "libtieredkv_kernels.so"
     assert lib.is_file()
     assert set(C_ABI) <= _exported(lib)
+
+
+def test_gpu_check_binds_the_c_abi_with_the_header_signatures(build_dir):
+    """tools/gpu_check.py calls the kernels through ctypes: its argument lists must match the
+    C declarations in tieredkv_kernels.h (a mismatch only shows on the GPU machine)."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gpu_check  # its dataclasses look their module up
+    spec.loader.exec_module(gpu_check)
+    lib = gpu_check.load_library(build_dir / "libtieredkv_kernels.so")  # loads without a GPU
+    header = (SOURCE / "tieredkv_kernels.h").read_text()
+    for name in C_ABI:
+        params = re.search(rf"\b{name}\(([^)]*)\)", header).group(1)
+        assert len(getattr(lib, name).argtypes) == len(params.split(",")), name
 
 
 def test_plugin_library_is_skipped_without_tensorrt_headers(build_dir):

@@ -84,7 +84,7 @@ def load_library(path: Path) -> ctypes.CDLL:
     lib.tkv_tiered_attention.restype = ctypes.c_int
     lib.tkv_kv_append.argtypes = [p] * 8 + [i64] * 5 + [i32, p]
     lib.tkv_kv_append.restype = ctypes.c_int
-    lib.tkv_importance_score.argtypes = [p] * 9 + [i64] * 6 + [f32] * 4 + [f32, p]
+    lib.tkv_importance_score.argtypes = [p] * 9 + [i64] * 6 + [f32] * 4 + [p]  # w_rel, w_pos, w_sal, scale, stream
     lib.tkv_importance_score.restype = ctypes.c_int
     lib.tkv_error_string.argtypes = [ctypes.c_int]
     lib.tkv_error_string.restype = ctypes.c_char_p
