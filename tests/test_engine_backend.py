@@ -178,3 +178,17 @@ def test_llm_from_engine_and_cli_generate_with_engine(built, torch_model, tmp_pa
     proc = subprocess.run(cmd + ["--engine", str(built[1]), "--model", str(built[0])], capture_output=True, text=True,
                           env=env, timeout=120)
     assert proc.returncode != 0 and "--engine" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_eval_perplexity_with_engine_equals_the_model(built, tmp_path, capsys):
+    from tieredkv.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    common = ["eval", "perplexity", "--text-file", str(text), "--window", "256", "--max-windows", "2", "--json"]
+    values = []
+    for extra in (["--engine", str(built[1]), "--kv-budget", "50%", "--mode", "exact"],
+                  ["--model", str(built[0]), "--page-size", str(PAGE), "--kv-budget", "50%", "--mode", "exact"]):
+        assert main(common + extra) == 0
+        values.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["perplexity"])
+    assert values[0] == pytest.approx(values[1], rel=1e-5)
