@@ -94,7 +94,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     trt.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp16",
                      help="TensorRT builder precision flag (default fp16)")
     trt.add_argument("--plugin-library", type=Path, default=None,
-                     help="the tieredkv TensorRT plugin library (libtieredkv_plugins.so from plugins/ with CMake)")
+                     help="the tieredkv TensorRT plugin library (libtieredkv_trt_plugins.so, built from "
+                          "plugins/csrc with CMake)")
     args = ap.parse_args(argv)
     if args.page_size <= 0:
         ap.error(f"--page-size must be a positive integer, got {args.page_size}")
@@ -293,15 +294,16 @@ def build_tensorrt_if_available(onnx_path: Path, plan_path: Path, args: argparse
     """Build ``plan_path`` from ``onnx_path`` where TensorRT is importable. Returns (built,
     a sentence saying what happened)."""
     rebuild = (f"python builder/build_engine.py {'--tiered-kv ' if tiered_kv else ''}--model <checkpoint> "
-               f"--output <ENGINE_DIR> --page-size {args.page_size} --plugin-library <libtieredkv_plugins.so> "
+               f"--output <ENGINE_DIR> --page-size {args.page_size} "
+               f"--plugin-library build/plugins/libtieredkv_trt_plugins.so "
                f"--max-batch {args.max_batch} --max-context {args.max_context} --precision {args.precision}")
     try:
         import tensorrt as trt
     except ImportError:
         return False, (f"[6/6] TensorRT is not installed here, so no TensorRT engine was built: the engine holds the "
                        f"ONNX step graph ({STEP_GRAPH}), which ONNX Runtime runs (tieredkv generate --engine DIR). "
-                       f"On a GPU machine with TensorRT >= 10.15, build the plugin library (cmake -S plugins -B "
-                       f"build/plugins -DTRT_INCLUDE_DIR=...) and run: {rebuild}")
+                       f"On a GPU machine with TensorRT >= 10.15, build the plugin library (cmake -S plugins/csrc -B "
+                       f"build/plugins -DTRT_INCLUDE_DIR=... && cmake --build build/plugins) and run: {rebuild}")
     log(f"[6/6] building the TensorRT {trt.__version__} engine ({args.precision}, 2 optimization profiles)")
     logger = trt.Logger(trt.Logger.WARNING)
     registry = trt.get_plugin_registry()
