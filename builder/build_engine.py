@@ -83,6 +83,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="largest allowed |logits(ORT) - logits(PyTorch)| in the verification (default 1e-3)")
     ap.add_argument("--external-data", action="store_true",
                     help=f"store the weights in {STEP_GRAPH}.data even below 2 GB (always done above)")
+    ap.add_argument("--warm-codec", default=None, metavar="CODEC",
+                    help="tiered graphs: also take each layer's warm (compressed) pool; TieredAttention reads those "
+                         "pages from their encoded bytes (the runtime's --warm-codec: fp8, fp8-r2, int6-r2, int4, "
+                         "int4-g16, int2)")
     ap.add_argument("--selection-weights", type=float, nargs=3, default=[1.0, 0.0, 0.0],
                     metavar=("REL", "POS", "SAL"),
                     help="ImportanceScore mix that ranks pages for the attention budget (the runtime's "
@@ -97,6 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      help="the tieredkv TensorRT plugin library (libtieredkv_trt_plugins.so, built from "
                           "plugins/csrc with CMake)")
     args = ap.parse_args(argv)
+    if args.warm_codec is not None and not args.tiered_kv:
+        ap.error("--warm-codec needs --tiered-kv (plain graphs hold no warm tier)")
     if args.page_size <= 0:
         ap.error(f"--page-size must be a positive integer, got {args.page_size}")
     if not args.tolerance >= 0:
@@ -141,9 +147,10 @@ def verify(model, path: Path, *, options, tolerance: float) -> dict:
     errors: dict[str, float] = {}
     for seed, (seq_lens, new_tokens) in enumerate(VERIFY_STEPS):
         feeds = random_step_inputs(model, page_size=options.page_size, seq_lens=list(seq_lens), new_tokens=new_tokens,
-                                   tiered_kv=options.tiered_kv, seed=seed, model_kv=True)
+                                   tiered_kv=options.tiered_kv, seed=seed, model_kv=True, warm_codec=options.warm_codec)
         got = run_onnx(path, feeds, threads=torch.get_num_threads())
-        want = reference_step(model, feeds, tiered_kv=options.tiered_kv, selection_weights=options.selection_weights)
+        want = reference_step(model, feeds, tiered_kv=options.tiered_kv, selection_weights=options.selection_weights,
+                              warm_codec=options.warm_codec)
         for name in want:
             err = float(np.abs(got[name].astype(np.float64) - want[name].astype(np.float64)).max())
             errors[name] = max(errors.get(name, 0.0), err)
@@ -195,8 +202,11 @@ def build(args: argparse.Namespace) -> Path:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would make the engine private to this user
-        options = StepGraphOptions(tiered_kv=args.tiered_kv, page_size=args.page_size,
-                                   selection_weights=tuple(args.selection_weights))
+        try:
+            options = StepGraphOptions(tiered_kv=args.tiered_kv, page_size=args.page_size,
+                                       selection_weights=tuple(args.selection_weights), warm_codec=args.warm_codec)
+        except ValueError as exc:
+            raise TieredKVError(f"--warm-codec / --page-size: {exc}") from None
         log(f"[2/6] building the {'tiered' if options.tiered_kv else 'plain paged'} step graph "
             f"(opset {OPSET}, page size {options.page_size})")
         graph = build_step_graph(model, options, progress=_layers_progress(config.num_layers))
@@ -229,19 +239,21 @@ def build(args: argparse.Namespace) -> Path:
             "tiered_kv": options.tiered_kv,
             "tokenizer": TOKENIZER_DIR if loaded.tokenizer is not None else None,
             "graphs": {"step": {"file": STEP_GRAPH, "steps": ["decode", "prefill"],
-                                "inputs": step_input_names(n, tiered_kv=options.tiered_kv),
+                                "inputs": step_input_names(n, tiered_kv=options.tiered_kv,
+                                                           warm=options.warm_codec is not None),
                                 "outputs": step_output_names(n, tiered_kv=options.tiered_kv)}},
             "ops": {"domain": DOMAIN, "plugin_namespace": PLUGIN_NAMESPACE,
                     "versions": {op: PLUGIN_VERSION for op in (TIERED_ATTENTION, KV_APPEND, IMPORTANCE_SCORE)
                                  if options.tiered_kv or op != IMPORTANCE_SCORE}},
             "opset": OPSET,
             "build": {"page_size": options.page_size, "selection_weights": list(options.selection_weights),
+                      "warm_codec": options.warm_codec,
                       "dtype": "float32", "external_data": external, "tolerance": args.tolerance,
                       "verification_max_abs_error": errors, "tensorrt_engine": TRT_ENGINE if plan else None,
                       "tensorrt": trt_note, "plugin_library": str(args.plugin_library) if args.plugin_library else None,
                       "profiles": tensorrt_profiles(config, page_size=options.page_size, max_batch=args.max_batch,
                                                     max_context=args.max_context, prefill_chunk=args.prefill_chunk,
-                                                    tiered_kv=options.tiered_kv),
+                                                    tiered_kv=options.tiered_kv, warm_codec=options.warm_codec),
                       "seconds": round(build_seconds, 2), "tieredkv_version": __version__,
                       "onnx_version": onnx.__version__, "torch_version": torch.__version__},
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -260,11 +272,12 @@ def build(args: argparse.Namespace) -> Path:
 
 
 def tensorrt_profiles(config, *, page_size: int, max_batch: int, max_context: int, prefill_chunk: int,
-                      tiered_kv: bool) -> dict[str, dict[str, list[list[int]]]]:
+                      tiered_kv: bool, warm_codec: str | None = None) -> dict[str, dict[str, list[list[int]]]]:
     """The two TensorRT optimization profiles of the step graph, as {profile: {input: [min,
     opt, max]}}: ``decode`` (T = 1) and ``prefill`` (T up to ``prefill_chunk``); B up to
     ``max_batch``, M up to the pages of ``max_context`` tokens, pools up to every page of the
-    batch twice over (device pool plus the step's staged pages)."""
+    batch twice over (device pool plus the step's staged pages); warm pools (with
+    ``warm_codec``) from one row up to every page of the batch."""
     L, kvh, d, p = config.num_layers, config.num_kv_heads, config.head_dim, page_size
     m_max = -(-max_context // p)
     c_max = 2 * max_batch * m_max
@@ -283,8 +296,16 @@ def tensorrt_profiles(config, *, page_size: int, max_batch: int, max_context: in
             prof.update(page_pinned=shape(b, m), page_tokens=shape(b, m), attend_pages=shape(b),
                         key_min=shape(L, b, m, kvh, d), key_max=shape(L, b, m, kvh, d), page_saliency=shape(L, b, m),
                         position_table=shape(L, 16))
+        if warm_codec is not None:
+            from tieredkv.plugins.codec import CODECS, page_bytes
+
+            nb = page_bytes(CODECS[warm_codec], kvh, p, d)
+            w = (1, max(1, max_batch * m_max // 2), max_batch * m_max)
+            prof["page_warm_row"] = shape(L, b, m)
         for layer in range(L):
             prof[f"k_pool_{layer}"] = prof[f"v_pool_{layer}"] = shape(c, kvh, p, d)
+            if warm_codec is not None:
+                prof[f"warm_pool_{layer}"] = shape(w, nb)
         out[name] = prof
     return out
 
@@ -293,7 +314,8 @@ def build_tensorrt_if_available(onnx_path: Path, plan_path: Path, args: argparse
                                 tiered_kv: bool) -> tuple[bool, str]:
     """Build ``plan_path`` from ``onnx_path`` where TensorRT is importable. Returns (built,
     a sentence saying what happened)."""
-    rebuild = (f"python builder/build_engine.py {'--tiered-kv ' if tiered_kv else ''}--model <checkpoint> "
+    warm = f"--warm-codec {args.warm_codec} " if args.warm_codec else ""
+    rebuild = (f"python builder/build_engine.py {'--tiered-kv ' if tiered_kv else ''}{warm}--model <checkpoint> "
                f"--output <ENGINE_DIR> --page-size {args.page_size} "
                f"--plugin-library build/plugins/libtieredkv_trt_plugins.so "
                f"--max-batch {args.max_batch} --max-context {args.max_context} --precision {args.precision}")
@@ -332,7 +354,7 @@ def build_tensorrt_if_available(onnx_path: Path, plan_path: Path, args: argparse
         cfg.set_flag(trt.BuilderFlag.BF16)
     for prof_shapes in tensorrt_profiles(config, page_size=args.page_size, max_batch=args.max_batch,
                                          max_context=args.max_context, prefill_chunk=args.prefill_chunk,
-                                         tiered_kv=tiered_kv).values():
+                                         tiered_kv=tiered_kv, warm_codec=args.warm_codec).values():
         profile = builder.create_optimization_profile()
         for name, (lo, opt, hi) in prof_shapes.items():
             profile.set_shape(name, lo, opt, hi)

@@ -28,6 +28,12 @@ l, KVH kv heads, P page size, D head dim, NB position buckets)::
     key_min, key_max [L, B, M, KVH, D] float32  per-page element-wise key summaries
     page_saliency  [L, B, M] float32 mean learned saliency of each page's keys
     position_table [L, NB] float32   the scorer's learned position table
+  graphs with a warm codec (--warm-codec) also:
+    page_warm_row  [L, B, M] int64   row of the layer's warm pool holding the listed page, or -1
+                                     (then the page is read from k_pool/v_pool); a warm page's
+                                     page_table entry is ignored (any valid slot)
+    warm_pool_{l}  [W_l, NB] uint8, one per layer: the layer's pages encoded with the codec in
+                                     the byte layout of codec.encode_pages (docs/codec.md)
 
 Outputs::
 
@@ -72,6 +78,7 @@ from onnx import TensorProto, helper, numpy_helper
 from tieredkv.models.cache import Step
 from tieredkv.models.llama import Llama
 from tieredkv.plugins.attention import PAD_PAGE_INDEX, tiered_attention
+from tieredkv.plugins.codec import CODECS, encode_pages, page_bytes
 from tieredkv.plugins.importance import importance_score
 from tieredkv.plugins.onnx_codec import _Body
 from tieredkv.plugins.onnx_ops import (
@@ -85,7 +92,7 @@ from tieredkv.plugins.onnx_ops import (
     importance_score_function,
     kv_append,
     kv_append_function,
-    tiered_attention_function,
+    warm_functions,
 )
 
 __all__ = ["StepGraphOptions", "PoolStep", "PROTOBUF_LIMIT", "build_step_graph", "step_input_names",
@@ -108,15 +115,28 @@ class StepGraphOptions:
     """``tiered_kv``: scoring, selection and the page outputs (without it the graph is plain
     paged attention over ``page_mask``). ``page_size``: P, fixed in the pool shapes.
     ``selection_weights``: (relevance, position, saliency) of the ImportanceScore mix that
-    ranks pages for the attention budget (the runtime's ``selection_weights``)."""
+    ranks pages for the attention budget (the runtime's ``selection_weights``).
+    ``warm_codec``: the graph also takes each layer's warm (compressed) pool and attention
+    reads those pages from their encoded bytes (the runtime's ``warm_codec``)."""
 
     tiered_kv: bool = True
     page_size: int = 16
     selection_weights: tuple[float, float, float] = RELEVANCE_ONLY
+    warm_codec: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size <= 0:
             raise ValueError(f"page_size must be a positive integer, got {self.page_size!r}")
+        if self.warm_codec is not None:
+            from tieredkv.plugins.codec import CODECS
+
+            if not self.tiered_kv:
+                raise ValueError("warm_codec needs a tiered graph (--tiered-kv): plain graphs hold no warm tier")
+            spec = CODECS.get(self.warm_codec)
+            if spec is None or spec.keyframe:
+                raise ValueError(f"warm_codec {self.warm_codec!r}: expected one of "
+                                 f"{sorted(n for n, c in CODECS.items() if not c.keyframe)} (the delta codec's "
+                                 "decode is a scan along tokens and has no ONNX form)")
         w = tuple(float(x) for x in self.selection_weights)
         if len(w) != 3 or any(not x >= 0 for x in w):
             raise ValueError(f"selection_weights: expected 3 non-negative floats, got {self.selection_weights!r}")
@@ -130,10 +150,10 @@ _TIERED_INPUTS = ["page_pinned", "page_tokens", "attend_pages", "key_min", "key_
 _TIERED_OUTPUTS = ["page_selected", "page_relevance", "page_mass"]
 
 
-def step_input_names(num_layers: int, *, tiered_kv: bool) -> list[str]:
-    names = list(_SHARED_INPUTS) + (list(_TIERED_INPUTS) if tiered_kv else [])
+def step_input_names(num_layers: int, *, tiered_kv: bool, warm: bool = False) -> list[str]:
+    names = list(_SHARED_INPUTS) + (list(_TIERED_INPUTS) if tiered_kv else []) + (["page_warm_row"] if warm else [])
     for layer in range(num_layers):
-        names += [f"k_pool_{layer}", f"v_pool_{layer}"]
+        names += [f"k_pool_{layer}", f"v_pool_{layer}"] + ([f"warm_pool_{layer}"] if warm else [])
     return names
 
 
@@ -289,8 +309,12 @@ def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
         else:
             attended = g.op("And", in_pool, valid)
         attn, lse, probs = f"{pre}.attn_out", f"{pre}.attn_lse", f"{pre}.page_probs"
-        g.plugin(TIERED_ATTENTION, [q, k_out, v_out, table, attended, "page_index", "seq_len", past],
-                 [attn, lse, probs], name=f"{pre}.attention", scale=scale)
+        attn_in = [q, k_out, v_out, table, attended, "page_index", "seq_len", past]
+        warm_attrs = {}
+        if options.warm_codec is not None:
+            attn_in += [f"warm_pool_{layer}", g.layer_of("page_warm_row", layer)]
+            warm_attrs["warm_codec"] = options.warm_codec
+        g.plugin(TIERED_ATTENTION, attn_in, [attn, lse, probs], name=f"{pre}.attention", scale=scale, **warm_attrs)
         if tiered:  # mean over query heads (axis 1), sum over the step's queries (then axis 1)
             mass = g.op("ReduceSum", g.op("ReduceMean", probs, g.const([1]), keepdims=0), g.const([1]), keepdims=0)
             news["mass"].append(g.op("Unsqueeze", mass, g.const([0])))
@@ -322,8 +346,14 @@ def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
                 vi("attend_pages", _I64, ["B"]), vi("key_min", _F32, [L, "B", "M", kvh, d]),
                 vi("key_max", _F32, [L, "B", "M", kvh, d]), vi("page_saliency", _F32, [L, "B", "M"]),
                 vi("position_table", _F32, [L, "NB"])]
+    warm = options.warm_codec is not None
+    if warm:
+        ins.append(vi("page_warm_row", _I64, [L, "B", "M"]))
+        warm_bytes = page_bytes(CODECS[options.warm_codec], kvh, p, d)
     for layer in range(n_layers):
         ins += [vi(f"{kv}_pool_{layer}", _F32, [f"C{layer}", kvh, p, d]) for kv in "kv"]
+        if warm:
+            ins.append(vi(f"warm_pool_{layer}", TensorProto.UINT8, [f"W{layer}", warm_bytes]))
     outs = [vi("logits", _F32, ["B", "T", c.vocab_size]), vi("k_new", _F32, [L, "B", kvh, "T", d]),
             vi("v_new", _F32, [L, "B", kvh, "T", d])]
     if tiered:
@@ -331,7 +361,7 @@ def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
                  vi("page_mass", _F32, [L, "B", "M"])]
     graph = helper.make_graph(g.nodes, f"{c.name}_step{'_tiered' if tiered else ''}", ins, outs,
                               initializer=g.initializers)
-    functions = [tiered_attention_function(), kv_append_function()]
+    functions = warm_functions(options.warm_codec, (kvh, p, d) if warm else None) + [kv_append_function()]
     if tiered:
         functions.append(importance_score_function())
     return helper.make_model(graph, functions=functions,
@@ -371,8 +401,8 @@ class PoolStep:
     ``outputs`` holds every graph output but the logits (torch tensors)."""
 
     def __init__(self, t: dict[str, torch.Tensor], *, num_layers: int, tiered_kv: bool,
-                 selection_weights: tuple[float, float, float]) -> None:
-        self.t, self.tiered, self.weights = t, tiered_kv, selection_weights
+                 selection_weights: tuple[float, float, float], warm_codec: str | None = None) -> None:
+        self.t, self.tiered, self.weights, self.warm_codec = t, tiered_kv, selection_weights, warm_codec
         p = t["k_pool_0"].shape[2]
         self.valid = t["page_index"] * p < t["seq_len"].unsqueeze(1)
         self.pages = p
@@ -415,8 +445,11 @@ class PoolStep:
             self.news["page_selected"][layer], self.news["page_relevance"][layer] = selected, rel
         else:
             attended = in_pool & self.valid
+        warm = {}
+        if self.warm_codec is not None:
+            warm = dict(warm_pool=t[f"warm_pool_{layer}"], warm_row=t["page_warm_row"][layer], warm_codec=self.warm_codec)
         out, _, probs = tiered_attention(q, kp, vp, t["page_table"][layer], attended, t["page_index"], t["seq_len"],
-                                         t["seq_len"] - step.num_new, with_lse=False)
+                                         t["seq_len"] - step.num_new, with_lse=False, **warm)
         if self.tiered:
             self.news["page_mass"][layer] = probs.mean(1).sum(1)
         return out
@@ -431,18 +464,19 @@ class PoolStep:
 
 @torch.no_grad()
 def reference_step(model: Llama, feeds: dict[str, np.ndarray], *, tiered_kv: bool = True,
-                   selection_weights: tuple[float, float, float] = RELEVANCE_ONLY) -> dict[str, np.ndarray]:
+                   selection_weights: tuple[float, float, float] = RELEVANCE_ONLY,
+                   warm_codec: str | None = None) -> dict[str, np.ndarray]:
     """The graph's outputs computed by the PyTorch model for the graph's inputs ``feeds``."""
     t = {k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items()}
     step = PoolStep(t, num_layers=model.config.num_layers, tiered_kv=tiered_kv,
-                    selection_weights=tuple(float(x) for x in selection_weights))
+                    selection_weights=tuple(float(x) for x in selection_weights), warm_codec=warm_codec)
     logits = model(t["input_ids"], t["positions"], step, list(range(t["input_ids"].shape[0])))
     return {"logits": logits.float().numpy(), **{k: v.numpy() for k, v in step.outputs.items()}}
 
 
 def random_step_inputs(model: Llama, *, page_size: int, seq_lens: list[int], new_tokens: int = 1,
                        tiered_kv: bool, seed: int = 0, model_kv: bool = False, spare_pages: int = 3,
-                       attend_fraction: float = 0.6) -> dict[str, np.ndarray]:
+                       attend_fraction: float = 0.6, warm_codec: str | None = None) -> dict[str, np.ndarray]:
     """Random graph inputs: sequences of ``seq_lens`` tokens (the ``new_tokens`` new ones
     included) whose pages are scattered over each layer's pool (a different placement per
     layer) with ``spare_pages`` unused pages, listed in shuffled order and padded to the
@@ -454,7 +488,10 @@ def random_step_inputs(model: Llama, *, page_size: int, seq_lens: list[int], new
     ~1e-3); the rest of the pools stays random (attention must ignore it). Tiered inputs:
     each listed page but the ones receiving new tokens is out of the pool with probability
     0.3; T0 = the first and the last page; the attention budget ``attend_fraction`` of each
-    sequence's pages; key summaries are the real min/max of the pool slots."""
+    sequence's pages; key summaries are the real min/max of the pool slots. With ``warm_codec``
+    about half of each layer's other in-pool pages become warm: their pool page is encoded into
+    the layer's warm pool (rows shuffled, one spare row) and their page_table entry is pointed
+    at another page, so that only the decoded bytes give the right answer."""
     rng = np.random.default_rng(seed)
     c = model.config
     L, P = c.num_layers, page_size
@@ -510,7 +547,34 @@ def random_step_inputs(model: Llama, *, page_size: int, seq_lens: list[int], new
                      key_min=kmin, key_max=kmax,
                      page_saliency=rng.random((L, batch, m)).astype(np.float32),
                      position_table=rng.random((L, 16)).astype(np.float32))
+    if warm_codec is not None:
+        _make_warm(feeds, rng, CODECS[warm_codec], pos // P, index, n_pages)
     return feeds
+
+
+def _make_warm(feeds: dict[str, np.ndarray], rng: np.random.Generator, spec, write_pages: np.ndarray,
+               index: np.ndarray, n_pages: list[int]) -> None:
+    """Turn about half of the in-pool pages not receiving new tokens into warm pages (see
+    :func:`random_step_inputs`)."""
+    table, L = feeds["page_table"], feeds["page_table"].shape[0]
+    capacity = feeds["k_pool_0"].shape[0]
+    warm_row = np.full(table.shape, -1, np.int64)
+    for layer in range(L):
+        warm = feeds["page_mask"][layer] & (rng.random(table.shape[1:]) < 0.5)
+        for b, k in enumerate(n_pages):
+            warm[b, k:] = False
+            warm[b, np.isin(index[b], write_pages[b])] = False  # KVAppend writes those into the pool
+        cols = np.argwhere(warm)
+        rows = rng.permutation(len(cols) + 1)[: len(cols)]
+        src = torch.from_numpy(table[layer][warm])
+        enc = encode_pages(torch.from_numpy(feeds[f"k_pool_{layer}"])[src],
+                           torch.from_numpy(feeds[f"v_pool_{layer}"])[src], spec)
+        data = np.zeros((len(cols) + 1, page_bytes(spec, *feeds["k_pool_0"].shape[1:])), np.uint8)
+        data[rows] = enc.numpy()
+        feeds[f"warm_pool_{layer}"] = data
+        warm_row[layer][warm] = rows
+        table[layer][warm] = (table[layer][warm] + 1) % capacity
+    feeds["page_warm_row"] = warm_row
 
 
 @torch.no_grad()

@@ -18,7 +18,8 @@ PAD_PAGE_INDEX = 1 << 40
 
 def tiered_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
                      page_mask: torch.Tensor, page_index: torch.Tensor, seq_len: torch.Tensor, past: torch.Tensor,
-                     *, scale: float | None = None, with_lse: bool = True
+                     *, scale: float | None = None, with_lse: bool = True, warm_pool: torch.Tensor | None = None,
+                     warm_row: torch.Tensor | None = None, warm_codec: str | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Paged attention with a residency/selection mask.
 
@@ -34,14 +35,45 @@ def tiered_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     * ``seq_len`` [B] int64 — tokens in the sequence; positions ``>= seq_len`` are empty slots.
     * ``past`` [B] int64 — causal: query t sees a key at position p iff ``p <= past + t``.
 
+    Warm (compressed) pages, optional — all three or none:
+
+    * ``warm_codec`` — the KV codec of the warm pages (a name of ``codec.CODECS``);
+    * ``warm_pool`` [W, NB] uint8 — W pages encoded with that codec in the byte layout of
+      ``codec.encode_pages`` (page shape [KVH, P, D] of the pools; NB = ``codec.page_bytes``);
+    * ``warm_row`` [B, M] int64 — the warm-pool row holding listed page m, or -1 when the page
+      is read from the pools. For a page with ``warm_row >= 0`` the K/V are
+      ``codec.decode_pages(warm_pool[warm_row])`` and its ``page_table`` entry is ignored (any
+      valid slot); only pages that ``page_mask`` keeps are decoded.
+
     Returns ``out`` [B, H, T, D] (query dtype; zeros for a query that sees no key),
     ``lse`` [B, H, T] float32 (natural-log sum of exp(scaled logits); -inf when nothing is
     seen; an empty tensor with ``with_lse=False``, when no block merge follows) and
     ``page_probs`` [B, H, T, M] float32 (softmax mass on each listed page; sums to 1 over
     pages for every query that sees a key).
     """
-    return attention_over_pages(q, k_pool[page_table], v_pool[page_table], page_mask, page_index, seq_len, past,
-                                scale=scale, with_lse=with_lse)
+    k_pages, v_pages = k_pool[page_table], v_pool[page_table]
+    if (warm_pool is None) != (warm_row is None) or (warm_pool is None) != (warm_codec is None):
+        raise ValueError("warm_pool, warm_row and warm_codec go together: pass all three or none")
+    if warm_pool is not None:
+        k_pages, v_pages = _with_warm_pages(k_pages, v_pages, page_mask, warm_pool, warm_row, warm_codec)
+    return attention_over_pages(q, k_pages, v_pages, page_mask, page_index, seq_len, past, scale=scale,
+                                with_lse=with_lse)
+
+
+def _with_warm_pages(k_pages: torch.Tensor, v_pages: torch.Tensor, page_mask: torch.Tensor, warm_pool: torch.Tensor,
+                     warm_row: torch.Tensor, warm_codec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gathered pages [B, M, KVH, P, D] with the kept warm ones replaced by their decoded K/V."""
+    from tieredkv.plugins.codec import CODECS, decode_pages
+
+    if warm_codec not in CODECS:
+        raise ValueError(f"warm_codec: unknown codec {warm_codec!r}; expected one of {sorted(CODECS)}")
+    take = page_mask & (warm_row >= 0)
+    if not bool(take.any()):
+        return k_pages, v_pages
+    k_dec, v_dec = decode_pages(warm_pool[warm_row[take]], CODECS[warm_codec], tuple(k_pages.shape[2:]))
+    k_pages, v_pages = k_pages.clone(), v_pages.clone()
+    k_pages[take], v_pages[take] = k_dec.to(k_pages.dtype), v_dec.to(v_pages.dtype)
+    return k_pages, v_pages
 
 
 def attention_over_pages(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_mask: torch.Tensor,

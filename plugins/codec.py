@@ -299,6 +299,8 @@ def encode_pages(k: torch.Tensor, v: torch.Tensor, spec: CodecSpec) -> torch.Ten
     n, kvh, p, d = k.shape
     layout = page_layout(spec, kvh, p, d)
     out = torch.zeros((n, layout["total"]["bytes"]), dtype=torch.uint8)
+    if n == 0:
+        return out
     for role, x in (("k", k), ("v", v)):
         enc = encode(x.reshape(n * kvh, p, d), spec, role=role)  # pages as extra heads: same groups
         for name, t in enc.items():
@@ -321,6 +323,8 @@ def decode_pages(data: torch.Tensor, spec: CodecSpec, shape: tuple[int, int, int
     """uint8 [N, page_bytes] (``encode_pages``) -> K, V [N, KVH, P, D] float32."""
     kvh, p, d = shape
     n = data.shape[0]
+    if n == 0:
+        return torch.zeros((0, kvh, p, d)), torch.zeros((0, kvh, p, d))
     layout = page_layout(spec, kvh, p, d)
     vals = kvh * p * d
     out = []

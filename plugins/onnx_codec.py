@@ -176,3 +176,138 @@ def codec_model(kind: str, spec: CodecSpec) -> ModelProto:
     graph = helper.make_graph([node], f"{fn.name}_graph", [vi(n, t) for n, t in ins], [vi(n, t) for n, t in outs])
     return helper.make_model(graph, functions=[fn], opset_imports=[helper.make_opsetid("", OPSET),
                                                                    helper.make_opsetid(DOMAIN, 1)])
+
+
+# --- page-level decode: the byte layout of codec.encode_pages -> K, V ----------------------------
+
+
+def _lut(b: _Body, values) -> str:
+    """A float32 lookup table (1-D numpy array) as a Constant node."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    out = b._name("lut")
+    b.nodes.append(helper.make_node("Constant", [], [out],
+                                    value=numpy_helper.from_array(np.ascontiguousarray(values, np.float32), out)))
+    return out
+
+
+def _byte_luts(b: _Body) -> dict[str, str]:
+    """Exact byte -> float32 tables: 'fp8' (256 E4M3 codes), 'bf16' and 'f16' (65536 patterns
+    each, indexed by the little-endian 16-bit word). ONNX has no bitcast; a Gather into an exact
+    table decodes stored bit patterns without rounding."""
+    import numpy as np
+    import torch
+
+    words = np.arange(65536, dtype=np.uint32)
+    return {"fp8": _lut(b, torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()),
+            "bf16": _lut(b, (words << 16).view(np.float32)),
+            "f16": _lut(b, words.astype(np.uint16).view(np.float16).astype(np.float32))}
+
+
+def _section(b: _Body, data: str, sec: dict[str, int]) -> str:
+    i64 = TensorProto.INT64
+    return b.op("Slice", data, b.const([sec["offset"]], i64), b.const([sec["offset"] + sec["bytes"]], i64),
+                b.const([1], i64))
+
+
+def _unpack(b: _Body, raw: str, bits: int, count: int) -> str:
+    """Packed codes [N, nbytes] uint8 -> the first ``count`` codes [N, count] int64 (codec.unpack)."""
+    i64 = TensorProto.INT64
+    x = b.op("Cast", raw, to=i64)
+    nbytes = -(-count // 4) * 4 * bits // 8  # whole bytes of the padded code count (codec.page_layout)
+    if bits == 6:  # 4 codes in a 24-bit little-endian word of 3 bytes
+        words = nbytes // 3
+        x = b.op("Reshape", x, b.const([0, words, 3], i64))  # explicit sizes: N may be 0
+        byte = lambda i: b.op("Gather", x, b.const(i, i64), axis=2)  # noqa: E731
+        word = b.op("Add", b.op("Add", byte(0), b.op("Mul", byte(1), b.const(256, i64))),
+                    b.op("Mul", byte(2), b.const(65536, i64)))
+        parts, per, base = [word], 4, 64
+    else:
+        words = nbytes
+        parts, per, base = [x], 8 // bits, 2 ** bits
+    if bits != 8:
+        src = parts[0]
+        parts = [_unsqueeze(b, b.op("Mod", b.op("Div", src, b.const(base ** i, i64)), b.const(base, i64)), -1)
+                 for i in range(per)]
+        x = b.op("Reshape", b.op("Concat", *parts, axis=-1), b.const([0, words * per], i64))
+    return b.op("Slice", x, b.const([0], i64), b.const([count], i64), b.const([1], i64))
+
+
+def _unsqueeze(b: _Body, x: str, *axes: int) -> str:
+    return b.op("Unsqueeze", x, b.const(list(axes), TensorProto.INT64))
+
+
+def _words(b: _Body, raw: str, lut: str, count: int) -> str:
+    """``count`` little-endian 16-bit words [N, 2 count] bytes -> their float32 values [N, count]
+    through ``lut``."""
+    i64 = TensorProto.INT64
+    pairs = b.op("Reshape", b.op("Cast", raw, to=i64), b.const([0, count, 2], i64))
+    lo, hi = (b.op("Gather", pairs, b.const(i, i64), axis=2) for i in (0, 1))
+    return b.op("Gather", lut, b.op("Add", lo, b.op("Mul", hi, b.const(256, i64))), axis=0)
+
+
+def decode_pages_function(spec: CodecSpec, page_shape: tuple[int, int, int]) -> FunctionProto:
+    """``tieredkv::KVDecodePages_<codec>``: encoded pages ``data`` [N, page_bytes] uint8 in the
+    byte layout of ``codec.encode_pages`` (for pages of ``page_shape`` = (KVH, P, D)) -> ``k``,
+    ``v`` [N, KVH, P, D] float32, equal to ``codec.decode_pages`` bit for bit. The page shape is
+    part of the layout, so it is fixed in the body (one function per codec and shape in a model)."""
+    from tieredkv.plugins.codec import _group_shape, page_layout
+
+    _check(spec)
+    kvh, p, d = page_shape
+    i64 = TensorProto.INT64
+    layout = page_layout(spec, kvh, p, d)
+    vals = kvh * p * d
+    b = _Body()
+    luts = _byte_luts(b)
+    for role, out in (("k", "k"), ("v", "v")):
+        axis = spec.key_axis if role == "k" else spec.value_axis
+        groups, size = _group_shape(spec, role, kvh, p, d)
+        sec = lambda name: layout[f"{role}.{name}"]  # noqa: E731
+        codes = _unpack(b, _section(b, "data", sec("codes")), spec.bits, vals)
+        grouped = b.const([0, kvh * groups, size], i64)
+        per_group = b.const([0, kvh * groups, 1], i64)
+        if spec.base == "fp8":
+            value = b.op("Gather", luts["fp8"], codes, axis=0)
+        else:
+            value = b.op("Cast", codes, to=TensorProto.FLOAT)
+        value = b.op("Reshape", value, grouped)
+        scale = b.op("Reshape", _words(b, _section(b, "data", sec("scale")), luts["bf16"], kvh * groups), per_group)
+        if spec.base == "fp8":
+            x = b.op("Mul", value, scale)
+        elif spec.asym:
+            zero = b.op("Reshape", _words(b, _section(b, "data", sec("zero")), luts["f16"], kvh * groups), per_group)
+            x = b.op("Add", b.op("Mul", value, scale), zero)
+        else:
+            x = b.op("Mul", b.op("Sub", value, b.const(float(2 ** (spec.bits - 1)))), scale)
+        if spec.residual_bits:
+            rc = b.op("Reshape", b.op("Cast", _unpack(b, _section(b, "data", sec("rcodes")), spec.residual_bits, vals),
+                                      to=TensorProto.FLOAT), grouped)
+            rs = b.op("Reshape", _words(b, _section(b, "data", sec("rscale")), luts["bf16"], kvh * groups), per_group)
+            x = b.op("Add", x, b.op("Mul", b.op("Sub", rc, b.const(1.5)), rs))
+        if axis == "channel":  # groups are (kv head, channel) rows of the page's tokens
+            b.op("Transpose", b.op("Reshape", x, b.const([0, kvh, d, p], i64)), perm=[0, 1, 3, 2], out=out)
+        else:
+            b.op("Reshape", x, b.const([0, kvh, p, d], i64), out=out)
+    return helper.make_function(DOMAIN, decode_pages_op_type(spec), ["data"], ["k", "v"], b.nodes,
+                                [helper.make_opsetid("", OPSET)])
+
+
+def decode_pages_op_type(spec: CodecSpec) -> str:
+    """e.g. KVDecodePages_int4."""
+    return f"KVDecodePages_{spec.name.replace('-', '_')}"
+
+
+def decode_pages_model(spec: CodecSpec, page_shape: tuple[int, int, int]) -> ModelProto:
+    """A one-node model decoding N encoded pages (N dynamic)."""
+    from tieredkv.plugins.codec import page_bytes
+
+    kvh, p, d = page_shape
+    fn = decode_pages_function(spec, page_shape)
+    node = helper.make_node(fn.name, ["data"], ["k", "v"], domain=DOMAIN)
+    vi = helper.make_tensor_value_info
+    graph = helper.make_graph([node], f"{fn.name}_graph", [vi("data", TensorProto.UINT8, ["N", page_bytes(spec, *page_shape)])],
+                              [vi(n, TensorProto.FLOAT, ["N", kvh, p, d]) for n in ("k", "v")])
+    return helper.make_model(graph, functions=[fn], opset_imports=[helper.make_opsetid("", OPSET),
+                                                                   helper.make_opsetid(DOMAIN, 1)])

@@ -8,6 +8,8 @@ compare them in ONNX Runtime CPU (`tests/test_onnx_ops.py`). Spec: ``docs/plugin
 
     TieredAttention<scale>(q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past)
         -> out [B, H, T, D], lse [B, H, T], page_probs [B, H, T, M]
+    TieredAttention<scale, warm_codec>(..., past, warm_pool, warm_row) -> the same (warm pages
+        read from their encoded bytes; see tiered_attention_function)
     ImportanceScore<weights, scale>(q, kmin, kmax, page_tokens, distance, saliency, page_mask,
                                     position_table) -> score [B, M]
     KVAppend(k_pool, v_pool, k_new, v_new, slot, offset) -> k_pool_out, v_pool_out
@@ -22,11 +24,14 @@ import torch
 from onnx import AttributeProto, FunctionProto, ModelProto, TensorProto, helper
 
 from tieredkv.plugins.importance import EXACT_TOKENS
-from tieredkv.plugins.onnx_codec import DOMAIN, OPSET, PLUGIN_NAMESPACE, PLUGIN_VERSION, _Body
+from tieredkv.plugins.codec import CODECS, page_bytes
+from tieredkv.plugins.onnx_codec import (DOMAIN, OPSET, PLUGIN_NAMESPACE, PLUGIN_VERSION, _Body, _unsqueeze,
+                                         decode_pages_function, decode_pages_op_type)
 
 __all__ = ["DOMAIN", "PLUGIN_NAMESPACE", "PLUGIN_VERSION", "OPSET", "TIERED_ATTENTION", "IMPORTANCE_SCORE",
            "KV_APPEND", "kv_append", "tiered_attention_function", "tiered_attention_model",
-           "importance_score_function", "importance_score_model", "kv_append_function", "kv_append_model"]
+           "importance_score_function", "importance_score_model", "kv_append_function", "kv_append_model",
+           "warm_functions"]
 
 TIERED_ATTENTION = "TieredAttention"
 IMPORTANCE_SCORE = "ImportanceScore"
@@ -85,10 +90,6 @@ def _scalar(b: _Body, one: str) -> str:
     return b.op("Squeeze", one, b.const([0], _I64))
 
 
-def _unsqueeze(b: _Body, x: str, *axes: int) -> str:
-    return b.op("Unsqueeze", x, b.const(list(axes), _I64))
-
-
 def _masked_softmax(b: _Body, logits: str, allowed: str) -> tuple[str, str]:
     """Softmax over the last axis of ``logits`` restricted to ``allowed`` (bool, broadcastable).
     Rows with no allowed entry give probabilities 0 and log-sum-exp -inf (no NaN).
@@ -104,9 +105,11 @@ def _masked_softmax(b: _Body, logits: str, allowed: str) -> tuple[str, str]:
     return probs, lse
 
 
-def _function(name: str, inputs: list[str], outputs: list[str], b: _Body, attrs: list[str]) -> FunctionProto:
-    return helper.make_function(DOMAIN, name, inputs, outputs, b.nodes, [helper.make_opsetid("", OPSET)],
-                                attributes=attrs + PLUGIN_ATTRS)
+def _function(name: str, inputs: list[str], outputs: list[str], b: _Body, attrs: list[str], *,
+              calls_domain: bool = False) -> FunctionProto:
+    """``calls_domain``: the body calls other functions of the tieredkv domain."""
+    opsets = [helper.make_opsetid("", OPSET)] + ([helper.make_opsetid(DOMAIN, 1)] if calls_domain else [])
+    return helper.make_function(DOMAIN, name, inputs, outputs, b.nodes, opsets, attributes=attrs + PLUGIN_ATTRS)
 
 
 def _model(fn: FunctionProto, ins: list[tuple[str, int, list]], outs: list[tuple[str, int, list]],
@@ -126,7 +129,11 @@ _ATTN_INPUTS = ["q", "k_pool", "v_pool", "page_table", "page_mask", "page_index"
 _ATTN_OUTPUTS = ["out", "lse", "page_probs"]
 
 
-def tiered_attention_function() -> FunctionProto:
+_WARM_INPUTS = ["warm_pool", "warm_row"]
+
+
+def tiered_attention_function(warm_codec: str | None = None,
+                              page_shape: tuple[int, int, int] | None = None) -> FunctionProto:
     """``tieredkv::TieredAttention`` (attribute ``scale``: float), equal to
     ``tiered_attention(..., scale=scale)``.
 
@@ -135,7 +142,17 @@ def tiered_attention_function() -> FunctionProto:
     Outputs: out [B, H, T, D] float32 (0 for a query that sees no key), lse [B, H, T] float32
     (-inf when nothing is seen), page_probs [B, H, T, M] float32. H must be a multiple of KVH
     (query head h reads kv head h // (H / KVH)).
+
+    With ``warm_codec`` (and the pools' ``page_shape`` (KVH, P, D), which fixes the byte
+    layout) the op also reads compressed pages, as ``tiered_attention(..., warm_pool=,
+    warm_row=, warm_codec=)``: two more inputs, warm_pool [W, NB] uint8 and warm_row [B, M]
+    int64, and the node carries the string attribute ``warm_codec``. The body decodes only the
+    kept warm pages (NonZero of ``page_mask & warm_row >= 0``) with ``KVDecodePages_<codec>``
+    (:func:`warm_functions` lists the functions a model needs) and scatters them over the
+    gathered pages before attending.
     """
+    if (warm_codec is None) != (page_shape is None):
+        raise ValueError("warm_codec and page_shape go together")
     b = _Body()
     B, H, T, D = (_dim(b, "q", i) for i in range(4))
     KVH, P = _dim(b, "k_pool", 1), _dim(b, "k_pool", 2)
@@ -146,9 +163,19 @@ def tiered_attention_function() -> FunctionProto:
     # gather the listed pages: [B, M, KVH, P, D] -> [B, KVH, 1, M*P, D] (the 1 broadcasts over G)
     kv_shape = _shape(b, B, KVH, one, MP, D)
 
+    gathered = {pool: b.op("Gather", pool, "page_table", axis=0) for pool in ("k_pool", "v_pool")}  # [B,M,KVH,P,D]
+    if warm_codec is not None:
+        take = b.op("And", "page_mask", b.op("GreaterOrEqual", "warm_row", b.const(0, _I64)))
+        idx = b.op("Transpose", b.op("NonZero", take), perm=[1, 0])  # [N, 2] (b, m) of the kept warm pages
+        enc = b.op("Gather", "warm_pool", b.op("GatherND", "warm_row", idx), axis=0)  # [N, NB]
+        k_dec, v_dec = b._name("warm_k"), b._name("warm_v")
+        b.nodes.append(helper.make_node(decode_pages_op_type(CODECS[warm_codec]), [enc], [k_dec, v_dec],
+                                        domain=DOMAIN))
+        for pool, dec in (("k_pool", k_dec), ("v_pool", v_dec)):
+            gathered[pool] = b.op("ScatterND", gathered[pool], idx, dec)
+
     def pages(pool: str) -> str:
-        g = b.op("Transpose", b.op("Gather", pool, "page_table", axis=0), perm=[0, 2, 1, 3, 4])
-        return b.op("Reshape", g, kv_shape)
+        return b.op("Reshape", b.op("Transpose", gathered[pool], perm=[0, 2, 1, 3, 4]), kv_shape)
 
     k, v = pages("k_pool"), pages("v_pool")
     qg = b.op("Reshape", "q", _shape(b, B, KVH, G, T, D))
@@ -170,18 +197,40 @@ def tiered_attention_function() -> FunctionProto:
     per_page = b.op("ReduceSum", b.op("Reshape", probs, _shape(b, B, KVH, G, T, M, P)), b.const([-1], _I64),
                     keepdims=0)
     b.op("Reshape", per_page, _shape(b, B, H, T, M), out="page_probs")
-    return _function(TIERED_ATTENTION, _ATTN_INPUTS, _ATTN_OUTPUTS, b, ["scale"])
+    if warm_codec is None:
+        return _function(TIERED_ATTENTION, _ATTN_INPUTS, _ATTN_OUTPUTS, b, ["scale"])
+    return _function(TIERED_ATTENTION, _ATTN_INPUTS + _WARM_INPUTS, _ATTN_OUTPUTS, b, ["scale", "warm_codec"],
+                     calls_domain=True)
 
 
-def tiered_attention_model(scale: float) -> ModelProto:
-    """A one-node model running TieredAttention (all sizes dynamic; the model passes
-    ``scale = D ** -0.5``)."""
+def warm_functions(warm_codec: str | None, page_shape: tuple[int, int, int] | None) -> list[FunctionProto]:
+    """The functions a model with (warm) TieredAttention nodes carries: TieredAttention's, and
+    with a warm codec the page decoder its body calls."""
+    fns = [tiered_attention_function(warm_codec, page_shape)]
+    if warm_codec is not None:
+        fns.append(decode_pages_function(CODECS[warm_codec], page_shape))
+    return fns
+
+
+def tiered_attention_model(scale: float, *, warm_codec: str | None = None,
+                           page_shape: tuple[int, int, int] | None = None) -> ModelProto:
+    """A one-node model running TieredAttention (all sizes dynamic but, with a warm codec, the
+    page shape; the model passes ``scale = D ** -0.5``)."""
     f, i64, bool_ = _F32, _I64, TensorProto.BOOL
-    ins = [("q", f, ["B", "H", "T", "D"]), ("k_pool", f, ["C", "KVH", "P", "D"]), ("v_pool", f, ["C", "KVH", "P", "D"]),
+    pool = ["C", "KVH", "P", "D"] if page_shape is None else ["C", *page_shape]
+    ins = [("q", f, ["B", "H", "T", "D"]), ("k_pool", f, pool), ("v_pool", f, pool),
            ("page_table", i64, ["B", "M"]), ("page_mask", bool_, ["B", "M"]), ("page_index", i64, ["B", "M"]),
            ("seq_len", i64, ["B"]), ("past", i64, ["B"])]
+    attrs = {"scale": float(scale)}
+    if warm_codec is not None:
+        ins += [("warm_pool", TensorProto.UINT8, ["W", page_bytes(CODECS[warm_codec], *page_shape)]),
+                ("warm_row", i64, ["B", "M"])]
+        attrs["warm_codec"] = warm_codec
     outs = [("out", f, ["B", "H", "T", "D"]), ("lse", f, ["B", "H", "T"]), ("page_probs", f, ["B", "H", "T", "M"])]
-    return _model(tiered_attention_function(), ins, outs, scale=float(scale))
+    model = _model(tiered_attention_function(warm_codec, page_shape), ins, outs, **attrs)
+    if warm_codec is not None:
+        model.functions.append(decode_pages_function(CODECS[warm_codec], page_shape))
+    return model
 
 
 # --- ImportanceScore ------------------------------------------------------------------------

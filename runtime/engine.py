@@ -62,6 +62,7 @@ class EngineInfo:
     tiered_kv: bool
     page_size: int
     selection_weights: tuple[float, float, float]
+    warm_codec: str | None
     graph: Path
     tensorrt_engine: Path | None
     raw: dict[str, Any]
@@ -89,7 +90,8 @@ def read_engine_dir(path: str | Path) -> EngineInfo:
         graph = path / raw["graphs"]["step"]["file"]
         trt = build.get("tensorrt_engine")
         info = EngineInfo(path=path, model=model, tiered_kv=bool(raw["tiered_kv"]), page_size=int(build["page_size"]),
-                          selection_weights=tuple(float(x) for x in build["selection_weights"]), graph=graph,
+                          selection_weights=tuple(float(x) for x in build["selection_weights"]),
+                          warm_codec=build.get("warm_codec"), graph=graph,
                           tensorrt_engine=path / trt if trt else None, raw=raw)
     except (KeyError, TypeError, ValueError) as exc:
         raise EngineError(f"{cfg_file}: incomplete engine config (missing or bad {exc})") from None
@@ -130,6 +132,10 @@ class _Backend(abc.ABC):
             raise ConfigError(f"selection_weights {tuple(cache.selection_weights)} do not match the engine's "
                               f"{eng.selection_weights} (baked into its ImportanceScore nodes); rebuild with "
                               "--selection-weights or change the KV config")
+        if eng.warm_codec is not None and cfg.warm_codec not in (None, eng.warm_codec):
+            raise ConfigError(f"warm_codec {cfg.warm_codec!r} of the KV config does not match the engine's "
+                              f"{eng.warm_codec!r} ({eng.path}: its attention reads that codec's bytes); set "
+                              f"warm_codec = {eng.warm_codec!r} or rebuild with --warm-codec {cfg.warm_codec}")
         if not eng.tiered_kv and (cache.budgets.device_pages is not None or cache.budgets.attention_pages is not None):
             raise ConfigError(f"{eng.path} was built without --tiered-kv (plain paged attention): it cannot select "
                               "pages, so it runs only without device or attention budgets")
@@ -141,7 +147,7 @@ class _Backend(abc.ABC):
         [B, T, vocab] (float32), or [B, 1, vocab] with ``last_only`` — as ``Llama.forward``."""
         self.check_cache(cache)
         step = cache.begin_step(seq_ids, tokens.shape[1])
-        feeds = cache.engine_feeds(step, tiered_graph=self.engine.tiered_kv)
+        feeds = cache.engine_feeds(step, tiered_graph=self.engine.tiered_kv, warm_codec=self.engine.warm_codec)
         feeds.update(input_ids=tokens.long(), positions=positions.long())
         t0 = time.perf_counter()
         outputs = self.run(feeds)
@@ -206,7 +212,7 @@ class OnnxRuntimeBackend(_Backend):
         return {n: torch.from_numpy(v) for n, v in zip(self.output_names, binding.copy_outputs_to_cpu())}
 
 
-_NP_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_}
+_NP_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_, torch.uint8: np.uint8}
 
 
 class TensorRTBackend(_Backend):
@@ -262,7 +268,8 @@ class TensorRTBackend(_Backend):
             if name in keep:
                 continue
             shape = tuple(ctx.get_tensor_shape(name))
-            dtype = {trt.float32: torch.float32, trt.bool: torch.bool, trt.int64: torch.int64}[eng.get_tensor_dtype(name)]
+            dtype = {trt.float32: torch.float32, trt.bool: torch.bool, trt.int64: torch.int64,
+                     trt.uint8: torch.uint8}[eng.get_tensor_dtype(name)]
             outputs[name] = torch.empty(shape, dtype=dtype, device="cuda")
             ctx.set_tensor_address(name, outputs[name].data_ptr())
         if not ctx.execute_async_v3(self.stream.cuda_stream):

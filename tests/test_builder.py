@@ -57,11 +57,13 @@ def model():
     return tiny_model(seed=3)
 
 
-@pytest.fixture(scope="module", params=["tiered", "tiered-mixed", "plain"])
+@pytest.fixture(scope="module", params=["tiered", "tiered-mixed", "tiered-warm-int4", "tiered-warm-fp8-r2", "plain"])
 def graph(request, model, tmp_path_factory):
     """(options, path, session) of the tiny model's step graph."""
+    warm = request.param.removeprefix("tiered-warm-") if request.param.startswith("tiered-warm") else None
     options = StepGraphOptions(tiered_kv=request.param != "plain", page_size=PAGE,
-                               selection_weights=MIXED if request.param == "tiered-mixed" else (1.0, 0.0, 0.0))
+                               selection_weights=MIXED if request.param == "tiered-mixed" else (1.0, 0.0, 0.0),
+                               warm_codec=warm)
     path = tmp_path_factory.mktemp("graph") / "step.onnx"
     save_step_graph(build_step_graph(model, options), path)
     return options, path, session(path)
@@ -85,7 +87,8 @@ def test_graph_passes_full_check_and_declares_the_interface(graph, model):
     onnx.checker.check_model(str(path), full_check=True)
     proto = onnx.load(str(path))
     n = model.config.num_layers
-    assert [i.name for i in proto.graph.input] == step_input_names(n, tiered_kv=tiered)
+    warm = options.warm_codec is not None
+    assert [i.name for i in proto.graph.input] == step_input_names(n, tiered_kv=tiered, warm=warm)
     assert [o.name for o in proto.graph.output] == step_output_names(n, tiered_kv=tiered)
     plugin_nodes = [nd for nd in proto.graph.node if nd.domain == DOMAIN]
     scorers = (2 if options.selection_weights == MIXED else 1) if tiered else 0
@@ -95,6 +98,12 @@ def test_graph_passes_full_check_and_declares_the_interface(graph, model):
         attrs = {a.name: a for a in nd.attribute}
         assert attrs["plugin_version"].s.decode() == PLUGIN_VERSION
     want_fns = {"KVAppend", "TieredAttention"} | ({"ImportanceScore"} if tiered else set())
+    if warm:  # TieredAttention reads the warm pool through the page decoder; the node names its codec
+        want_fns.add(f"KVDecodePages_{options.warm_codec.replace('-', '_')}")
+        for nd in plugin_nodes:
+            if nd.op_type == "TieredAttention":
+                assert len(nd.input) == 10
+                assert next(a for a in nd.attribute if a.name == "warm_codec").s.decode() == options.warm_codec
     assert {f.name for f in proto.functions} == want_fns
     assert {(o.domain, o.version) for o in proto.opset_import} == {("", OPSET), (DOMAIN, 1)}
     # B, T, M and each layer's pool size are dynamic; P, KVH, D are the model's / the build's
@@ -110,10 +119,11 @@ def test_graph_passes_full_check_and_declares_the_interface(graph, model):
 def test_step_matches_reference(graph, model, new_tokens, seq_lens, model_kv):
     options, _, sess = graph
     feeds = random_step_inputs(model, page_size=PAGE, seq_lens=seq_lens, new_tokens=new_tokens,
-                               tiered_kv=options.tiered_kv, seed=11, model_kv=model_kv)
+                               tiered_kv=options.tiered_kv, seed=11, model_kv=model_kv, warm_codec=options.warm_codec)
     assert (feeds["page_index"][1, 1:] == PAD_INDEX).all()  # padding of the shorter sequence
     got = run_onnx(sess, feeds)
-    want = reference_step(model, feeds, tiered_kv=options.tiered_kv, selection_weights=options.selection_weights)
+    want = reference_step(model, feeds, tiered_kv=options.tiered_kv, selection_weights=options.selection_weights,
+                          warm_codec=options.warm_codec)
     assert set(got) == set(want) == set(step_output_names(model.config.num_layers, tiered_kv=options.tiered_kv))
     assert got["logits"].shape == (len(seq_lens), new_tokens, model.config.vocab_size)
     assert max_err(got["logits"], want["logits"]) < LOGITS_ATOL
@@ -125,6 +135,8 @@ def test_step_matches_reference(graph, model, new_tokens, seq_lens, model_kv):
         assert np.all(got["page_mass"][~attended] == 0)
         np.testing.assert_allclose(got["page_mass"].sum(-1), new_tokens, atol=1e-5)  # one per query
         assert not np.array_equal(attended, feeds["page_mask"])  # selection is at work
+    if options.warm_codec is not None and new_tokens == 1:  # attended warm pages (their page_table points elsewhere)
+        assert (attended & (feeds["page_warm_row"] >= 0)).any()
 
 
 def test_selection_rule(graph, model):
@@ -133,7 +145,8 @@ def test_selection_rule(graph, model):
     options, _, sess = graph
     if not options.tiered_kv:
         pytest.skip("plain graphs do not select")
-    feeds = random_step_inputs(model, page_size=PAGE, seq_lens=[48, 26], tiered_kv=True, seed=5, model_kv=True)
+    feeds = random_step_inputs(model, page_size=PAGE, seq_lens=[48, 26], tiered_kv=True, seed=5, model_kv=True,
+                               warm_codec=options.warm_codec)
     valid = feeds["page_index"] < PAD_INDEX
     pinned = feeds["page_pinned"]
     everything = run_onnx(sess, dict(feeds, attend_pages=np.array([PAD_INDEX, 6], np.int64)))["page_selected"]
@@ -239,6 +252,12 @@ def test_options_reject_bad_values():
         StepGraphOptions(page_size=0)
     with pytest.raises(ValueError, match="selection_weights"):
         StepGraphOptions(selection_weights=(1.0, -0.5, 0.0))
+    with pytest.raises(ValueError, match="tiered graph"):
+        StepGraphOptions(tiered_kv=False, warm_codec="int4")
+    with pytest.raises(ValueError, match="no ONNX form"):
+        StepGraphOptions(warm_codec="fp8-r2-delta")
+    with pytest.raises(ValueError, match="expected one of"):
+        StepGraphOptions(warm_codec="zip")
 
 
 def test_tensorrt_profiles_cover_decode_and_prefill(model):
@@ -254,6 +273,12 @@ def test_tensorrt_profiles_cover_decode_and_prefill(model):
     assert profiles["prefill"]["input_ids"][2] == [4, 128]
     assert profiles["decode"]["page_table"][2] == [c.num_layers, 4, 63]  # ceil(1000 / 16) pages
     assert profiles["decode"]["k_pool_0"][2] == [2 * 4 * 63, c.num_kv_heads, 16, c.head_dim]
+    warm = tensorrt_profiles(c, page_size=16, max_batch=4, max_context=1000, prefill_chunk=128, tiered_kv=True,
+                             warm_codec="int4")["decode"]
+    assert set(warm) == set(step_input_names(c.num_layers, tiered_kv=True, warm=True))
+    from tieredkv.plugins.codec import CODECS, page_bytes
+    assert warm["warm_pool_0"] == [[1, page_bytes(CODECS["int4"], c.num_kv_heads, 16, c.head_dim)],
+                                   [126, warm["warm_pool_0"][1][1]], [4 * 63, warm["warm_pool_0"][1][1]]]
 
 
 # ---------------------------------------------------------------------------- the CLI
@@ -313,3 +338,19 @@ def test_cli_failed_verification_keeps_the_old_engine(tiny_gguf, tmp_path):
     assert "differ from the PyTorch reference" in proc.stderr and "Traceback" not in proc.stderr
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     assert [p.name for p in tmp_path.iterdir()] == ["engine"]
+
+
+def test_cli_warm_codec_engine_and_its_errors(tiny_gguf, tmp_path):
+    out = tmp_path / "warm"
+    proc = run_build("--tiered-kv", "--warm-codec", "fp8-r2", "--model", str(tiny_gguf), "--output", str(out),
+                     "--page-size", "8")
+    assert proc.returncode == 0, proc.stderr
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["build"]["warm_codec"] == "fp8-r2"
+    assert "page_warm_row" in cfg["graphs"]["step"]["inputs"] and "warm_pool_1" in cfg["graphs"]["step"]["inputs"]
+    for args, says in ((["--warm-codec", "int4"], "needs --tiered-kv"),
+                       (["--tiered-kv", "--warm-codec", "fp8-r2-delta"], "no ONNX form")):
+        bad = tmp_path / "bad"
+        proc = run_build(*args, "--model", str(tiny_gguf), "--output", str(bad))
+        assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr
+        assert not bad.exists()

@@ -86,6 +86,63 @@ def test_greedy_tokens_and_tier_decisions_equal_the_torch_backend(torch_model, b
     cache.mgr.check_invariants()
 
 
+@pytest.fixture(scope="module")
+def warm_backend(built, tmp_path_factory):
+    """An engine whose TieredAttention reads int4 warm pages from their bytes (--warm-codec int4)."""
+    out = tmp_path_factory.mktemp("warm_engine") / "warm"
+    assert build_engine.main(["--tiered-kv", "--warm-codec", "int4", "--model", str(built[0]), "--output", str(out),
+                              "--page-size", str(PAGE)]) == 0
+    return OnnxRuntimeBackend(out, threads=1)
+
+
+@pytest.mark.parametrize("kv", [
+    TieredKVConfig(**TIGHT, mode="exact", warm_codec="int4", warm_fraction=0.5),
+    TieredKVConfig(**TIGHT, mode="masked", policy="lfu-importance", warm_codec="int4", warm_fraction=0.75),
+    TieredKVConfig(**TIGHT, mode="exact"),  # no warm tier: the graph gets empty warm pools
+], ids=["exact-warm", "masked-warm", "no-warm-tier"])
+def test_warm_engine_equals_the_torch_backend(torch_model, warm_backend, kv):
+    """The graph decodes warm pages itself (no staging of decoded copies): same tokens and the
+    same TierMetrics as the torch backend, which decodes them in Python."""
+    ids = prompts(70, 33)
+    want_tokens, want_metrics, _ = run(torch_model, kv, ids)
+    got_tokens, got_metrics, cache = run(warm_backend, kv, ids)
+    assert got_tokens == want_tokens
+    assert got_metrics == want_metrics
+    if kv.warm_codec is not None:
+        assert want_metrics["warm_reads"] > 0  # warm pages were attended
+    cache.mgr.check_invariants()
+
+
+def test_warm_engine_feeds_read_the_encoded_pool(warm_backend):
+    """The feeds carry the warm pool's own bytes and the warm rows; warm pages are not staged."""
+    from tieredkv.runtime.tiered.cache import TieredKVCache
+
+    kv = TieredKVConfig(**TIGHT, mode="exact", warm_codec="int4", warm_fraction=0.5)
+    cache = TieredKVCache(warm_backend.kv_spec(), kv, num_sequences=2)  # a budget with room for warm pages
+    assert cache.budgets.warm_pages > 0
+    sid = cache.add_sequence()
+    for tok in prompts(60, seed=9)[0]:  # grow a sequence past the budget, one token per step
+        step = cache.begin_step([sid], 1)
+        feeds = cache.engine_feeds(step, tiered_graph=True, warm_codec="int4")
+        outs = warm_backend.run({**feeds, "input_ids": torch.tensor([[tok]]), "positions": torch.tensor([[step.past[0]]])})
+        cache.engine_finish(step, feeds, outs)
+    step = cache.begin_step([sid], 1)
+    feeds = cache.engine_feeds(step, tiered_graph=True, warm_codec="int4")
+    rows = feeds["page_warm_row"]
+    assert (rows >= 0).any()
+    for layer in range(cache.mgr.L):
+        assert feeds[f"warm_pool_{layer}"].data_ptr() == cache.mgr.warm.data[layer].data_ptr()
+        assert feeds[f"k_pool_{layer}"].shape[0] == cache.mgr.device.capacity  # nothing staged in exact mode...
+    assert feeds["page_mask"][rows >= 0].all()
+    cache.engine_finish(step, feeds, warm_backend.run({**feeds, "input_ids": torch.tensor([[1]]),
+                                                       "positions": torch.tensor([[step.past[0]]])}))
+
+
+def test_warm_engine_refuses_another_codec(warm_backend):
+    with pytest.raises(ConfigError, match="warm_codec 'fp8' .* engine's 'int4'"):
+        run(warm_backend, TieredKVConfig(**TIGHT, warm_codec="fp8"), prompts(9))
+
+
 def test_backend_is_a_drop_in_for_the_model(backend, torch_model):
     assert backend.config == load_checkpoint(backend.engine.raw["source"]["path"]).config
     assert backend.kv_spec() == torch_model.kv_spec()

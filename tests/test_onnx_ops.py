@@ -122,6 +122,74 @@ def test_tiered_attention_node_form():
     assert next(a for a in node.attribute if a.name == "scale").f == pytest.approx(0.125)
 
 
+def warm_inputs(feeds: dict, codec: str, seed: int, *, share: float = 0.5) -> dict:
+    """``feeds`` plus a warm pool: about ``share`` of the listed pages are stored encoded (rows in
+    shuffled order, plus one unused row) and their page_table entries point at a page holding
+    other values, so only the decoded bytes can give the right answer."""
+    from tieredkv.plugins.codec import CODECS, encode_pages
+
+    gen = torch.Generator().manual_seed(seed)
+    b, m = feeds["page_table"].shape
+    warm = torch.rand(b, m, generator=gen) < share
+    warm[0, 0] = True
+    n = int(warm.sum())
+    rows = torch.randperm(n + 1, generator=gen)[:n]
+    src = feeds["page_table"][warm]
+    data = torch.zeros(n + 1, 1, dtype=torch.uint8)
+    enc = encode_pages(feeds["k_pool"][src], feeds["v_pool"][src], CODECS[codec])
+    data = torch.zeros(n + 1, enc.shape[1], dtype=torch.uint8)
+    data[rows] = enc
+    warm_row = torch.full((b, m), -1, dtype=torch.long)
+    warm_row[warm] = rows
+    table = feeds["page_table"].clone()
+    table[warm] = (table[warm] + 1) % feeds["k_pool"].shape[0]  # wrong page: must not be read
+    return {**feeds, "page_table": table, "warm_pool": data, "warm_row": warm_row}
+
+
+WARM_CODECS = ["fp8-r2", "int4", "int6-r2", "int2"]
+
+
+@pytest.mark.parametrize("codec", WARM_CODECS)
+@pytest.mark.parametrize("b,h,kvh,t,d,p,m,blind,partial", [ATTENTION_CASES[1], ATTENTION_CASES[3], ATTENTION_CASES[5]])
+def test_warm_tiered_attention_matches_reference(codec, b, h, kvh, t, d, p, m, blind, partial):
+    feeds = warm_inputs(attention_inputs(b, h, kvh, t, d, p, m, seed=b + h + t + m, blind=blind, partial=partial),
+                        codec, seed=m + d)
+    scale = d ** -0.5
+    model = tiered_attention_model(scale, warm_codec=codec, page_shape=(kvh, p, d))
+    onnx.checker.check_model(model, full_check=True)
+    got = run(model, feeds)
+    out, lse, page_probs = tiered_attention(**feeds, scale=scale, warm_codec=codec)
+    assert np.abs(got["out"] - out.numpy()).max() <= ATOL
+    assert np.abs(got["page_probs"] - page_probs.numpy()).max() <= ATOL
+    finite = np.isfinite(lse.numpy())
+    assert np.array_equal(np.isfinite(got["lse"]), finite)
+    # the warm pages matter: reading their (wrong) pool pages instead gives another answer
+    plain, _, _ = tiered_attention(**{k: v for k, v in feeds.items() if not k.startswith("warm")}, scale=scale)
+    assert (plain - out).abs().max() > 1e-3
+
+
+def test_warm_tiered_attention_without_warm_pages():
+    """No kept warm page (every warm_row -1, or masked): the NonZero is empty; equals the plain op."""
+    feeds = attention_inputs(2, 6, 3, 1, 12, 5, 7, seed=3)
+    feeds = warm_inputs(feeds, "int4", seed=4)
+    feeds["page_mask"] = feeds["page_mask"] & (feeds["warm_row"] < 0)
+    got = run(tiered_attention_model(0.3, warm_codec="int4", page_shape=(3, 5, 12)), feeds)
+    out, _, probs = tiered_attention(**{k: v for k, v in feeds.items() if not k.startswith("warm")}, scale=0.3)
+    assert np.abs(got["out"] - out.numpy()).max() <= ATOL and np.abs(got["page_probs"] - probs.numpy()).max() <= ATOL
+
+
+def test_warm_tiered_attention_node_form():
+    model = tiered_attention_model(0.125, warm_codec="fp8-r2", page_shape=(3, 16, 64))
+    onnx.checker.check_model(model, full_check=True)
+    (node,) = model.graph.node
+    assert node.domain == DOMAIN and node.op_type == TIERED_ATTENTION and len(node.input) == 10
+    attrs = {a.name: a for a in node.attribute}
+    assert attrs["warm_codec"].s.decode() == "fp8-r2" and attrs["plugin_namespace"].s.decode() == PLUGIN_NAMESPACE
+    assert [f.name for f in model.functions] == [TIERED_ATTENTION, "KVDecodePages_fp8_r2"]
+    with pytest.raises(ValueError, match="delta coding"):
+        tiered_attention_model(0.125, warm_codec="fp8-r2-delta", page_shape=(3, 16, 64))
+
+
 def test_onnx_reference_runtime_agrees():
     """onnx.reference (the spec's own evaluator) runs the TieredAttention body too."""
     from onnx.reference import ReferenceEvaluator

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from tieredkv.errors import ConfigError
 from tieredkv.models.cache import KVCache, KVSpec, Step
 from tieredkv.plugins.attention import PAD_PAGE_INDEX, attention_over_pages
 from tieredkv.plugins.codec import CODECS
@@ -243,7 +244,7 @@ class TieredKVCache(KVCache):
         acc.scored[layer, rows] = True
 
     # ------------------------------------------------------------------ engine steps
-    def engine_feeds(self, step: Step, *, tiered_graph: bool) -> dict[str, torch.Tensor]:
+    def engine_feeds(self, step: Step, *, tiered_graph: bool, warm_codec: str | None = None) -> dict[str, torch.Tensor]:
         """The inputs of an engine's step graph (``builder/export.py``) for the open step,
         as CPU tensors (the pools are the device pool itself when nothing is staged).
 
@@ -251,7 +252,10 @@ class TieredKVCache(KVCache):
         for this step: warm pages decoded, and (exact mode, prefill) the non-resident pages
         read from the host/disk tiers — the graph attends the selected pages among them, as
         ``attend`` does. Staging is accounted for the pages actually attended only
-        (:meth:`engine_finish`), as if the kernel fetched them on demand."""
+        (:meth:`engine_finish`), as if the kernel fetched them on demand. A graph built with
+        ``warm_codec`` (the cache's own codec) reads warm pages itself: the feeds carry each
+        layer's warm pool as it is (its encoded bytes) and each listed page's warm row, and
+        warm pages are not staged."""
         mgr, P = self.mgr, self.config.page_size
         ctxs, L, T = self._step_ctx, mgr.L, step.num_new
         decode = T == 1
@@ -270,7 +274,8 @@ class TieredKVCache(KVCache):
         dslot = mgr.dev_slot[:, flat].view(L, B, M)
         wslot = mgr.warm_slot[:, flat].view(L, B, M)
         full = (dslot >= 0) & valid
-        stage = valid & ~full & ((wslot >= 0) | stage_missing)
+        warm_in_graph = (wslot >= 0) & valid if warm_codec is not None else torch.zeros_like(full)
+        stage = valid & ~full & ~warm_in_graph & ((wslot >= 0) | stage_missing)
         table = torch.where(full, dslot, torch.zeros_like(dslot))
         feeds: dict[str, torch.Tensor] = {}
         for layer in range(L):
@@ -282,9 +287,14 @@ class TieredKVCache(KVCache):
                 table[layer, cols[:, 0], cols[:, 1]] = k_pool.shape[0] + torch.arange(len(cols))
                 k_pool, v_pool = torch.cat([k_pool.float(), k_st]), torch.cat([v_pool.float(), v_st])
             feeds[f"k_pool_{layer}"], feeds[f"v_pool_{layer}"] = k_pool.float(), v_pool.float()
+            if warm_codec is not None:
+                feeds[f"warm_pool_{layer}"] = self._warm_pool_feed(layer, warm_codec)
+        if warm_codec is not None:
+            feeds["page_warm_row"] = torch.where(warm_in_graph, wslot, torch.full_like(wslot, -1))
         write_recs = torch.stack([c["write_recs"] for c in ctxs])  # [B, T]
         feeds.update(seq_len=torch.cat([c["seq_len"] for c in ctxs]), page_index=index, page_table=table,
-                     page_mask=full | stage, write_slot=mgr.dev_slot[:, write_recs.flatten()].view(L, B, T),
+                     page_mask=full | stage | warm_in_graph,
+                     write_slot=mgr.dev_slot[:, write_recs.flatten()].view(L, B, T),
                      write_offset=torch.stack([c["write_off"] for c in ctxs]))
         if tiered_graph:
             budget = self.budgets.attention_pages
@@ -295,6 +305,17 @@ class TieredKVCache(KVCache):
                          page_saliency=(mgr.sal_sum[:, flat].view(L, B, M) / tokens.clamp(min=1)).float(),
                          position_table=self.scorer.position.detach().float())
         return feeds
+
+    def _warm_pool_feed(self, layer: int, warm_codec: str) -> torch.Tensor:
+        """The warm pool of one layer as a graph input [W, page bytes] uint8: the pool's own rows
+        (no copy), or one zero row when the cache keeps no warm tier (the graph then reads none)."""
+        if self.mgr.warm is not None:
+            if self.config.warm_codec != warm_codec:
+                raise ConfigError(f"warm_codec {self.config.warm_codec!r} of the KV config does not match the "
+                                  f"engine's {warm_codec!r}")
+            return self.mgr.warm.data[layer]
+        nb = codec_page_bytes(CODECS[warm_codec], self.spec.num_kv_heads, self.config.page_size, self.spec.head_dim)
+        return torch.zeros((1, nb), dtype=torch.uint8)
 
     def _stage(self, layer: int, recs: torch.Tensor, warm_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pages ``recs`` of one layer in float32 for a step's pool: warm ones decoded, the
