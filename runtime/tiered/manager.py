@@ -400,10 +400,7 @@ class TierManager:
 
     def _lowest(self, cand: torch.Tensor, prio: torch.Tensor, counts: torch.Tensor):
         """The ``counts[l]`` lowest-priority candidates of each layer -> (layers, records)."""
-        available = cand.sum(1)
-        if bool((counts >= available).all()):  # every candidate is taken: no ranking needed
-            return cand.nonzero(as_tuple=True)
-        counts = torch.minimum(counts, available)
+        counts = torch.minimum(counts, cand.sum(1))
         k = int(counts.max()) if len(counts) else 0
         if k == 0:
             return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
