@@ -1,7 +1,8 @@
-"""The real SmolLM2 as an engine: `build_engine.py --tiered-kv` builds it on CPU (onnx
-checker and ONNX Runtime verification inside), and the ONNX Runtime backend under the
-tiered runtime gives the torch backend's greedy tokens for fixed prompts — with the full
-cache and with a 25 % device budget in exact and masked mode."""
+"""The real SmolLM2 as an engine: `build_engine.py --tiered-kv --warm-codec int4` builds it
+on CPU (onnx checker and ONNX Runtime verification inside, warm pages included), and the
+ONNX Runtime backend under the tiered runtime gives the torch backend's greedy tokens for
+fixed prompts — with the full cache, with a 25 % device budget in exact and masked mode, and
+at 25 % with the int4 warm sub-tier, whose pages the graph reads from their bytes."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ NEW_TOKENS = 24
 @pytest.fixture(scope="module")
 def engine(smollm, tmp_path_factory):
     out = tmp_path_factory.mktemp("smollm2") / "engine"
-    assert build_engine.main(["--tiered-kv", "--model", str(smollm.source), "--output", str(out)]) == 0
+    assert build_engine.main(["--tiered-kv", "--warm-codec", "int4", "--model", str(smollm.source),
+                              "--output", str(out)]) == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["build"]["verification_max_abs_error"]["logits"] < 1e-3
     assert cfg["build"]["verification_max_abs_error"]["page_selected"] == 0
@@ -42,7 +44,8 @@ def prompts(smollm, pg_ids):
     TieredKVConfig(),
     TieredKVConfig(device_budget="25%", mode="exact"),
     TieredKVConfig(device_budget="25%", mode="masked"),
-], ids=["full", "25%-exact", "25%-masked"])
+    TieredKVConfig(device_budget="25%", mode="exact", kv_dtype="float16", warm_codec="int4", warm_fraction=0.75),
+], ids=["full", "25%-exact", "25%-masked", "25%-exact-warm-int4"])
 def test_onnxruntime_greedy_equals_torch(smollm, engine, prompts, kv):
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     out, metrics = {}, {}
@@ -54,5 +57,7 @@ def test_onnxruntime_greedy_equals_torch(smollm, engine, prompts, kv):
     if kv.device_budget is not None:  # the budget is at work, and both backends decided the same
         m = metrics["onnxruntime"]
         assert m.misses + m.masked > 0
-        for field in ("misses", "masked", "streamed_pages", "evicted_pages", "resident_bytes_max"):
+        if kv.warm_codec is not None:
+            assert m.warm_reads > 0
+        for field in ("misses", "masked", "streamed_pages", "evicted_pages", "resident_bytes_max", "warm_reads"):
             assert getattr(m, field) == getattr(metrics["torch"], field), field
