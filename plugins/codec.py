@@ -127,7 +127,7 @@ def quantize(xg: torch.Tensor, spec: CodecSpec) -> dict[str, torch.Tensor]:
     if spec.asym:
         lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
         scale = _stored_scale((hi - lo) / levels)
-        zero = lo.half().float()
+        zero = (lo + 0.0).half().float()  # -0 -> +0: the sign of a zero minimum is torch's reduction order's
         codes = torch.clamp(torch.round((xg - zero) / scale), 0, levels)
         return {"codes": codes.to(torch.uint8), "scale": scale.to(SCALE_DTYPE), "zero": zero.half()}
     half = 2 ** (spec.bits - 1)

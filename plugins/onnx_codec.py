@@ -76,7 +76,7 @@ def _quantize(b: _Body, x: str, spec: CodecSpec) -> tuple[list[str], str]:
         lo = b.op("ReduceMin", x, axes, keepdims=1)
         hi = b.op("ReduceMax", x, axes, keepdims=1)
         scale = _stored_scale(b, b.op("Div", b.op("Sub", hi, lo), b.const(levels)), "scale")
-        zero16 = b.op("Cast", lo, to=TensorProto.FLOAT16)
+        zero16 = b.op("Cast", b.op("Add", lo, b.const(0.0)), to=TensorProto.FLOAT16)  # -0 -> +0 (codec.quantize)
         zero = b.op("Cast", zero16, to=TensorProto.FLOAT, out="zero")
         q = b.op("Clip", b.op("Round", b.op("Div", b.op("Sub", x, zero), scale)), b.const(0.0), b.const(levels))
         codes = b.op("Cast", q, to=TensorProto.UINT8, out="codes")

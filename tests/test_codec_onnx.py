@@ -24,6 +24,8 @@ def groups(kind: str, n: int, g: int) -> torch.Tensor:
         x[2] = 6e4 * torch.sign(x[2])  # near fp16 max
         x[3, 1], x[4, 2], x[4, 3] = float("nan"), float("inf"), float("-inf")
         x[5] = 1e-40  # float32 subnormals
+        x[6] = 0.0
+        x[6, ::2] = -0.0  # zeros of both signs: the zero point is +0 whatever the reduction order
     return x
 
 

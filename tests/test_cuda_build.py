@@ -4,53 +4,31 @@ Skipped unless ``nvcc`` and ``cmake`` are on PATH. The TensorRT plugin library i
 checked only when the ``TRT_INCLUDE_DIR`` environment variable names a directory holding
 ``NvInfer.h``; then a small C++ probe (compiled here against the same headers) loads it without
 TensorRT and checks each creator's name, version, namespace and attribute fields against the
-ONNX nodes of ``tieredkv.plugins.onnx_ops``, and the dtypes each plugin accepts.
+ONNX nodes of ``tieredkv.plugins.onnx_ops``, and the dtypes each plugin accepts (TieredAttention
+also with a warm codec: 10 inputs). The build is shared with test_cuda_codec.py (csrc_build).
 """
 
 from __future__ import annotations
 
-import os
+import ctypes
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from csrc_build import SOURCE, build_plugins, load_gpu_check, needs_nvcc
+from csrc_build import run as _run
+from csrc_build import trt_include as _trt_include
 
-ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "plugins" / "csrc"
-C_ABI = ["tkv_tiered_attention", "tkv_kv_append", "tkv_importance_score", "tkv_error_string"]
+C_ABI = ["tkv_tiered_attention", "tkv_tiered_attention_warm", "tkv_kv_append", "tkv_importance_score",
+         "tkv_codec_desc", "tkv_codec_desc_sizeof", "tkv_encode_pages", "tkv_decode_pages", "tkv_encode_pages_host",
+         "tkv_decode_pages_host", "tkv_error_string"]
 
-pytestmark = pytest.mark.skipif(not (shutil.which("nvcc") and shutil.which("cmake")),
-                                reason="needs nvcc and cmake on PATH")
-
-
-def _trt_include() -> Path | None:
-    value = os.environ.get("TRT_INCLUDE_DIR")
-    if value and (Path(value) / "NvInfer.h").is_file():
-        return Path(value)
-    return None
-
-
-def _run(cmd: list[str], timeout: int = 600, **kwargs) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc
+pytestmark = needs_nvcc
 
 
 @pytest.fixture(scope="module")
 def build_dir(tmp_path_factory) -> Path:
-    build = tmp_path_factory.mktemp("plugins_build")
-    cmd = ["cmake", "-S", str(SOURCE), "-B", str(build)]
-    if shutil.which("ninja"):
-        cmd += ["-G", "Ninja"]
-    if _trt_include() is not None:
-        cmd.append(f"-DTRT_INCLUDE_DIR={_trt_include()}")
-    configure = _run(cmd)
-    if _trt_include() is None:
-        assert "skipping tieredkv_trt_plugins" in configure.stdout
-    _run(["cmake", "--build", str(build), "-j2"])
-    return build
+    return build_plugins(tmp_path_factory)
 
 
 def _exported(lib: Path) -> set[str]:
@@ -66,21 +44,34 @@ def test_kernels_library_exports_the_c_abi(build_dir):
     assert set(C_ABI) <= _exported(lib)
 
 
+#: ctypes types a C parameter type may be bound with (pointers: any pointer type)
+_SCALARS = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "int": ctypes.c_int, "float": ctypes.c_float}
+
+
+def _binds(c_param: str, argtype) -> bool:
+    if "*" in c_param:
+        return argtype in (ctypes.c_void_p, ctypes.c_char_p) or issubclass(argtype, ctypes._Pointer)
+    c_type = " ".join(c_param.replace("const", "").split()[:-1])
+    return _SCALARS.get(c_type) is argtype
+
+
 def test_gpu_check_binds_the_c_abi_with_the_header_signatures(build_dir):
     """tools/gpu_check.py calls the kernels through ctypes: its argument lists must match the
-    C declarations in tieredkv_kernels.h (a mismatch only shows on the GPU machine)."""
-    import importlib.util
+    C declarations in tieredkv_kernels.h (a mismatch only shows on the GPU machine): count, and
+    per parameter a pointer for a pointer, the C scalar's ctypes type otherwise."""
     import re
 
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = gpu_check  # its dataclasses look their module up
-    spec.loader.exec_module(gpu_check)
+    gpu_check = load_gpu_check()
     lib = gpu_check.load_library(build_dir / "libtieredkv_kernels.so")  # loads without a GPU
     header = (SOURCE / "tieredkv_kernels.h").read_text()
     for name in C_ABI:
         params = re.search(rf"\b{name}\(([^)]*)\)", header).group(1)
-        assert len(getattr(lib, name).argtypes) == len(params.split(",")), name
+        params = [] if params.strip() in ("", "void") else [x.strip() for x in params.split(",")]
+        argtypes = getattr(lib, name).argtypes
+        assert len(argtypes) == len(params), name
+        for c_param, argtype in zip(params, argtypes):
+            assert _binds(c_param, argtype), (name, c_param, argtype)
+    assert lib.tkv_codec_desc_sizeof() == ctypes.sizeof(gpu_check.CodecDesc)
 
 
 def test_plugin_library_is_skipped_without_tensorrt_headers(build_dir):
@@ -107,6 +98,9 @@ def test_plugin_library_exports_get_creators(plugin_lib):
 #   field <name> <type> <length>            (one per field)
 #   check <what> ok|FAIL
 #   accepts <pos> <dtype codes accepted at pos, given earlier positions at their first accepted dtype>
+# (each creator is made with every field: floats 0.25, 0.5, ...; strings empty), then for the
+# TieredAttention variant with warm_codec "int4":
+#   variant <name> <warm_codec>, then check / accepts lines as above (10 inputs)
 _PROBE = r"""
 #include <NvInferRuntime.h>
 #include <dlfcn.h>
@@ -115,6 +109,26 @@ _PROBE = r"""
 #include <map>
 #include <string>
 using namespace nvinfer1;
+
+// For each position: the dtypes accepted there, given earlier positions at their first accepted dtype.
+static void print_accepts(IPluginV3OneBuild* build, DynamicPluginTensorDesc* io, int32_t nin, int32_t nout) {
+    DataType candidates[] = {DataType::kFLOAT, DataType::kHALF, DataType::kINT8, DataType::kINT32,
+                             DataType::kBOOL, DataType::kUINT8, DataType::kBF16, DataType::kINT64};
+    for (int32_t pos = 0; pos < nin + nout; ++pos) {
+        std::printf("accepts %d", pos);
+        int first = -1;
+        for (DataType t : candidates) {
+            io[pos].desc.format = TensorFormat::kLINEAR;
+            io[pos].desc.type = t;
+            if (build->supportsFormatCombination(pos, io, nin, nout)) {
+                std::printf(" %d", static_cast<int>(t));
+                if (first < 0) first = static_cast<int>(t);
+            }
+        }
+        std::printf("\n");
+        io[pos].desc.type = static_cast<DataType>(first < 0 ? 0 : first);
+    }
+}
 
 int main(int argc, char** argv) {
     void* lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
@@ -135,7 +149,8 @@ int main(int argc, char** argv) {
         for (int32_t f = 0; f < names->nbFields && f < 8; ++f) {
             PluginField const& x = names->fields[f];
             std::printf("field %s %d %d\n", x.name, static_cast<int>(x.type), x.length);
-            fields[f] = PluginField(x.name, values, x.type, x.length);
+            bool text = x.type == PluginFieldType::kCHAR;  // optional strings: passed empty
+            fields[f] = PluginField(x.name, text ? static_cast<void const*>("") : values, x.type, text ? 0 : x.length);
         }
         PluginFieldCollection fc{names->nbFields, fields};
         IPluginV3* p = c->createPlugin("probe", &fc, TensorRTPhase::kBUILD);
@@ -157,7 +172,11 @@ int main(int argc, char** argv) {
         PluginFieldCollection const* ser = rt->getFieldsToSerialize();
         bool values_kept = ser->nbFields == names->nbFields;
         for (int32_t f = 0; values_kept && f < ser->nbFields; ++f) {
-            values_kept = std::memcmp(ser->fields[f].data, values, sizeof(float) * ser->fields[f].length) == 0;
+            PluginField const& got = ser->fields[f];
+            size_t elem = got.type == PluginFieldType::kCHAR ? 1 : sizeof(float);
+            values_kept = std::strcmp(got.name, fields[f].name) == 0 && got.type == fields[f].type &&
+                          got.length == fields[f].length &&
+                          std::memcmp(got.data, fields[f].data, elem * got.length) == 0;
         }
         IPluginV3* again = c->createPlugin("probe", ser, TensorRTPhase::kRUNTIME);
         std::printf("check serialize_roundtrip %s\n", (values_kept && again != nullptr) ? "ok" : "FAIL");
@@ -166,22 +185,72 @@ int main(int argc, char** argv) {
         int32_t nin = inputs[c->getPluginName()];
         int32_t nout = build->getNbOutputs();
         DynamicPluginTensorDesc io[16] = {};
-        DataType candidates[] = {DataType::kFLOAT, DataType::kHALF, DataType::kINT8, DataType::kINT32,
-                                 DataType::kBOOL, DataType::kUINT8, DataType::kBF16, DataType::kINT64};
-        for (int32_t pos = 0; pos < nin + nout; ++pos) {
-            std::printf("accepts %d", pos);
-            int first = -1;
-            for (DataType t : candidates) {
-                io[pos].desc.format = TensorFormat::kLINEAR;
-                io[pos].desc.type = t;
-                if (build->supportsFormatCombination(pos, io, nin, nout)) {
-                    std::printf(" %d", static_cast<int>(t));
-                    if (first < 0) first = static_cast<int>(t);
-                }
+        print_accepts(build, io, nin, nout);
+        delete again;
+        delete copy;
+        delete p;
+    }
+    for (int32_t i = 0; i < n; ++i) {
+        auto* c = static_cast<IPluginCreatorV3One*>(creators[i]);
+        if (std::strcmp(c->getPluginName(), "TieredAttention") != 0) continue;
+        std::printf("variant TieredAttention int4\n");
+        float scale = 0.125f;
+        // a string of length 4, not NUL-terminated (as the ONNX parser passes string attributes)
+        char const text[] = "int4xyz";
+        PluginField wf[2] = {PluginField("scale", &scale, PluginFieldType::kFLOAT32, 1),
+                             PluginField("warm_codec", text, PluginFieldType::kCHAR, 4)};
+        PluginFieldCollection wfc{2, wf};
+        IPluginV3* p = c->createPlugin("probe", &wfc, TensorRTPhase::kBUILD);
+        std::printf("check create %s\n", p ? "ok" : "FAIL");
+        if (p == nullptr) break;
+        PluginField unknown[2] = {wf[0], PluginField("warm_codec", "int3", PluginFieldType::kCHAR, 4)};
+        PluginFieldCollection ufc{2, unknown};
+        IPluginV3* refused = c->createPlugin("probe", &ufc, TensorRTPhase::kBUILD);
+        std::printf("check refuses_unknown_codec %s\n", refused == nullptr ? "ok" : "FAIL");
+        delete refused;
+        PluginField typed[2] = {wf[0], PluginField("warm_codec", &scale, PluginFieldType::kFLOAT32, 1)};
+        PluginFieldCollection tfc{2, typed};
+        refused = c->createPlugin("probe", &tfc, TensorRTPhase::kBUILD);
+        std::printf("check refuses_non_string_codec %s\n", refused == nullptr ? "ok" : "FAIL");
+        delete refused;
+        auto* build = static_cast<IPluginV3OneBuild*>(p->getCapabilityInterface(PluginCapabilityType::kBUILD));
+        auto* rt = static_cast<IPluginV3OneRuntime*>(p->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
+        PluginFieldCollection const* ser = rt->getFieldsToSerialize();
+        bool kept = ser->nbFields == 2;
+        for (int32_t f = 0; kept && f < ser->nbFields; ++f) {
+            PluginField const& x = ser->fields[f];
+            if (std::strcmp(x.name, "scale") == 0) {
+                kept = x.type == PluginFieldType::kFLOAT32 && x.length == 1 && *static_cast<float const*>(x.data) == scale;
+            } else {
+                kept = std::strcmp(x.name, "warm_codec") == 0 && x.type == PluginFieldType::kCHAR && x.length == 4 &&
+                       std::memcmp(x.data, "int4", 4) == 0;
             }
-            std::printf("\n");
-            io[pos].desc.type = static_cast<DataType>(first < 0 ? 0 : first);
         }
+        std::printf("check serialize_fields %s\n", kept ? "ok" : "FAIL");
+        IPluginV3* again = c->createPlugin("probe", ser, TensorRTPhase::kRUNTIME);
+        bool again_warm = false;
+        DynamicPluginTensorDesc io[16] = {};
+        if (again != nullptr) {
+            auto* b2 = static_cast<IPluginV3OneBuild*>(again->getCapabilityInterface(PluginCapabilityType::kBUILD));
+            io[8].desc.format = TensorFormat::kLINEAR;
+            io[8].desc.type = DataType::kUINT8;
+            again_warm = b2->supportsFormatCombination(8, io, 10, 3) && !b2->supportsFormatCombination(0, io, 8, 3);
+        }
+        std::printf("check serialize_roundtrip %s\n", again_warm ? "ok" : "FAIL");
+        IPluginV3* copy = p->clone();
+        std::printf("check clone %s\n", copy ? "ok" : "FAIL");
+        std::printf("check outputs %s\n", build->getNbOutputs() == 3 ? "ok" : "FAIL");
+        io[0].desc.format = TensorFormat::kLINEAR;
+        io[0].desc.type = DataType::kFLOAT;
+        std::printf("check refuses_8_inputs %s\n", !build->supportsFormatCombination(0, io, 8, 3) ? "ok" : "FAIL");
+        PluginFieldCollection plain_fc{1, wf};  // scale only: the plain op
+        IPluginV3* plain = c->createPlugin("probe", &plain_fc, TensorRTPhase::kBUILD);
+        bool plain_refuses = plain != nullptr &&
+            !static_cast<IPluginV3OneBuild*>(plain->getCapabilityInterface(PluginCapabilityType::kBUILD))
+                 ->supportsFormatCombination(0, io, 10, 3);
+        std::printf("check plain_refuses_10_inputs %s\n", plain_refuses ? "ok" : "FAIL");
+        delete plain;
+        print_accepts(build, io, 10, build->getNbOutputs());
         delete again;
         delete copy;
         delete p;
@@ -190,18 +259,24 @@ int main(int argc, char** argv) {
 }
 """
 
-# DataType codes (NvInferRuntimeBase.h): kFLOAT 0, kHALF 1, kBOOL 4, kBF16 7, kINT64 8; kFLOAT32 field type 1
-_F32, _F16, _BOOL, _BF16, _I64 = 0, 1, 4, 7, 8
+# DataType codes (NvInferRuntimeBase.h): kFLOAT 0, kHALF 1, kBOOL 4, kUINT8 5, kBF16 7, kINT64 8;
+# field types (NvInferPluginBase.h): kFLOAT32 1, kCHAR 6
+_F32, _F16, _BOOL, _U8, _BF16, _I64 = 0, 1, 4, 5, 7, 8
+_FIELD_F32, _FIELD_CHAR = 1, 6
 _EXPECTED_TYPES = {
     "TieredAttention": [[_F32]] * 3 + [[_I64], [_BOOL], [_I64], [_I64], [_I64]] + [[_F32]] * 3,
+    # with warm_codec: + warm_pool uint8 [W, NB], warm_row int64 [B, M]
+    "TieredAttention int4": [[_F32]] * 3 + [[_I64], [_BOOL], [_I64], [_I64], [_I64], [_U8], [_I64]] + [[_F32]] * 3,
     "KVAppend": [[_F32, _F16, _BF16]] + [[_F32]] * 3 + [[_I64], [_I64]] + [[_F32]] * 2,
     "ImportanceScore": [[_F32]] * 3 + [[_I64], [_I64], [_F32], [_BOOL], [_F32], [_F32]],
 }
 _EXPECTED_FIELDS = {
-    "TieredAttention": [("scale", 1, 1)],
+    "TieredAttention": [("scale", _FIELD_F32, 1), ("warm_codec", _FIELD_CHAR, 0)],  # warm_codec: any length
     "KVAppend": [],
-    "ImportanceScore": [("weights", 1, 3), ("scale", 1, 1)],
+    "ImportanceScore": [("weights", _FIELD_F32, 3), ("scale", _FIELD_F32, 1)],
 }
+_VARIANT_CHECKS = {"create", "refuses_unknown_codec", "refuses_non_string_codec", "serialize_fields",
+                   "serialize_roundtrip", "clone", "outputs", "refuses_8_inputs", "plain_refuses_10_inputs"}
 
 
 def test_plugin_creators_match_the_onnx_nodes(plugin_lib, tmp_path):
@@ -218,12 +293,15 @@ def test_plugin_creators_match_the_onnx_nodes(plugin_lib, tmp_path):
     out = _run([str(exe), str(plugin_lib)], timeout=60).stdout
 
     creators: dict[str, dict] = {}
+    variants: dict[str, dict] = {}
     current = None
     for line in out.splitlines():
         kind, *rest = line.split()
         if kind == "creator":
             current = creators[rest[0]] = {"version": rest[1], "namespace": rest[2], "fields": [], "checks": {},
                                            "accepts": []}
+        elif kind == "variant":
+            current = variants[" ".join(rest)] = {"checks": {}, "accepts": []}
         elif kind == "field":
             current["fields"].append((rest[0], int(rest[1]), int(rest[2])))
         elif kind == "check":
@@ -237,3 +315,18 @@ def test_plugin_creators_match_the_onnx_nodes(plugin_lib, tmp_path):
         assert info["fields"] == _EXPECTED_FIELDS[name], name
         assert info["checks"] and set(info["checks"].values()) == {"ok"}, (name, info["checks"])
         assert info["accepts"] == _EXPECTED_TYPES[name], name
+    assert set(variants) == {"TieredAttention int4"}, out
+    for name, info in variants.items():
+        assert info["checks"] == {check: "ok" for check in _VARIANT_CHECKS}, (name, info["checks"])
+        assert info["accepts"] == _EXPECTED_TYPES[name], name
+
+
+def test_tiered_attention_warm_inputs_follow_the_onnx_node():
+    """The warm TieredAttention plugin takes the ONNX node's 10 inputs in order, with the
+    node's string attribute warm_codec (plugin field kCHAR)."""
+    pytest.importorskip("onnx")
+    from tieredkv.plugins.onnx_ops import tiered_attention_function
+
+    fn = tiered_attention_function("int4", (3, 16, 64))
+    assert list(fn.input)[8:] == ["warm_pool", "warm_row"] and len(fn.input) == 10
+    assert "warm_codec" in list(fn.attribute)

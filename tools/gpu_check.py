@@ -5,10 +5,16 @@ For each op (TieredAttention, KVAppend, ImportanceScore) it draws fresh random i
 awkward sizes (GQA, odd head dims, P = 5, T > 1, padding columns with page_index = 1 << 40,
 masked pages, a sequence that sees nothing, causal cuts inside pages), runs the kernel on
 torch CUDA tensors through ctypes on the current stream, and compares with the reference
-computed on the CPU (float32 max abs error <= --tol; KVAppend bit-exact). Then it times each
-kernel at real model shapes (SmolLM2-135M: H=9, KVH=3, D=64; a Llama-2-70B-like layer: H=64,
-KVH=8, D=128; contexts 4k and 32k, P=16, one decode token) with CUDA events (median of
---repeats) and reports GB/s of the bytes each call must move.
+computed on the CPU (float32 max abs error <= --tol; KVAppend bit-exact). The KV page codecs
+(every codec of ``codec.CODECS``, awkward page shapes, random and edge data: zeros, 1e-6, 6e4,
+subnormals, NaN, ±Inf) are compared bit for bit: encode_pages on the GPU with the reference
+bytes and with the library's host encoder, decode_pages with the reference floats. The warm
+TieredAttention (pages read from an encoded warm pool: a mix of warm and pool pages, masked
+warm pages, warm rows past the pool) is compared with ``tiered_attention(..., warm_pool=,
+warm_row=, warm_codec=)`` at --tol. Then it times each kernel at real model shapes (SmolLM2-135M:
+H=9, KVH=3, D=64; a Llama-2-70B-like layer: H=64, KVH=8, D=128; contexts 4k and 32k, P=16,
+one decode token) with CUDA events (median of --repeats) and reports GB/s of the bytes each
+call must move (decode_pages and warm TieredAttention: of the encoded bytes they read).
 
 Writes ``<out>/gpu_check.json`` and ``<out>/gpu_check.md``; exits 0 when every check passes,
 1 when a check fails, 2 when there is no CUDA device or the library cannot be loaded.
@@ -77,18 +83,79 @@ def _kv_append_reference():
 # --- the library ------------------------------------------------------------------------------
 
 
+CODEC_SECTIONS = ("codes", "scale", "zero", "rcodes", "rscale", "keyframes")  # TKV_SECTION_* order
+
+
+class CodecDesc(ctypes.Structure):
+    """``tkv_codec_desc_t`` of tieredkv_kernels.h (10 int32, then 33 int64; no holes)."""
+
+    _i32, _i64 = ctypes.c_int32, ctypes.c_int64
+    _fields_ = [("codec", _i32), ("base", _i32), ("bits", _i32), ("asym", _i32), ("residual_bits", _i32),
+                ("keyframe", _i32), ("group", _i32), ("axis", _i32 * 2), ("keyframes_per_page", _i32),
+                ("kvh", _i64), ("p", _i64), ("d", _i64), ("values", _i64), ("group_size", _i64 * 2),
+                ("groups", _i64 * 2), ("offset", (_i64 * len(CODEC_SECTIONS)) * 2),
+                ("bytes", (_i64 * len(CODEC_SECTIONS)) * 2), ("page_bytes", _i64)]
+
+
 def load_library(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
+    desc = ctypes.POINTER(CodecDesc)
     lib.tkv_tiered_attention.argtypes = [p] * 11 + [i64] * 8 + [f32, p]
     lib.tkv_tiered_attention.restype = ctypes.c_int
+    # ... then warm_pool, warm_row, W, desc, stream
+    lib.tkv_tiered_attention_warm.argtypes = [p] * 11 + [i64] * 8 + [f32, p, p, i64, desc, p]
+    lib.tkv_tiered_attention_warm.restype = ctypes.c_int
+    lib.tkv_codec_desc.argtypes = [ctypes.c_char_p, i64, i64, i64, desc]
+    lib.tkv_codec_desc.restype = ctypes.c_int
+    lib.tkv_codec_desc_sizeof.argtypes = []
+    lib.tkv_codec_desc_sizeof.restype = i64
+    for name in ("tkv_encode_pages", "tkv_decode_pages"):  # (in, out, out | in, in, out), N, desc, stream
+        getattr(lib, name).argtypes = [p, p, p, i64, desc, p]
+        getattr(lib, name).restype = ctypes.c_int
+    for name in ("tkv_encode_pages_host", "tkv_decode_pages_host"):
+        getattr(lib, name).argtypes = [p, p, p, i64, desc]
+        getattr(lib, name).restype = ctypes.c_int
     lib.tkv_kv_append.argtypes = [p] * 8 + [i64] * 5 + [i32, p]
     lib.tkv_kv_append.restype = ctypes.c_int
     lib.tkv_importance_score.argtypes = [p] * 9 + [i64] * 6 + [f32] * 4 + [p]  # w_rel, w_pos, w_sal, scale, stream
     lib.tkv_importance_score.restype = ctypes.c_int
     lib.tkv_error_string.argtypes = [ctypes.c_int]
     lib.tkv_error_string.restype = ctypes.c_char_p
+    if lib.tkv_codec_desc_sizeof() != ctypes.sizeof(CodecDesc):
+        raise OSError(f"{path}: tkv_codec_desc_t is {lib.tkv_codec_desc_sizeof()} bytes, CodecDesc "
+                      f"{ctypes.sizeof(CodecDesc)}: the binding does not match the header")
     return lib
+
+
+def codec_desc(lib: ctypes.CDLL, name: str, kvh: int, p: int, d: int) -> CodecDesc:
+    """The library's descriptor of codec ``name`` for pages [kvh, p, d] (ValueError if refused)."""
+    desc = CodecDesc()
+    status = lib.tkv_codec_desc(name.encode(), kvh, p, d, ctypes.byref(desc))
+    if status != 0:
+        raise ValueError(f"tkv_codec_desc({name!r}, {kvh}, {p}, {d}): {lib.tkv_error_string(status).decode()}")
+    return desc
+
+
+def encode_pages_host(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, desc: CodecDesc) -> torch.Tensor:
+    """tkv_encode_pages_host on CPU tensors k, v [N, KVH, P, D] float32 -> uint8 [N, page_bytes]."""
+    k, v = k.float().contiguous(), v.float().contiguous()
+    out = torch.empty(k.shape[0], desc.page_bytes, dtype=torch.uint8)
+    status = lib.tkv_encode_pages_host(k.data_ptr(), v.data_ptr(), out.data_ptr(), k.shape[0], ctypes.byref(desc))
+    if status != 0:
+        raise RuntimeError(f"tkv_encode_pages_host: {lib.tkv_error_string(status).decode()}")
+    return out
+
+
+def decode_pages_host(lib: ctypes.CDLL, data: torch.Tensor, desc: CodecDesc) -> tuple[torch.Tensor, torch.Tensor]:
+    """tkv_decode_pages_host on a CPU uint8 [N, page_bytes] -> K, V [N, KVH, P, D] float32."""
+    data = data.contiguous()
+    shape = (data.shape[0], desc.kvh, desc.p, desc.d)
+    k, v = torch.empty(shape), torch.empty(shape)
+    status = lib.tkv_decode_pages_host(data.data_ptr(), k.data_ptr(), v.data_ptr(), data.shape[0], ctypes.byref(desc))
+    if status != 0:
+        raise RuntimeError(f"tkv_decode_pages_host: {lib.tkv_error_string(status).decode()}")
+    return k, v
 
 
 class Kernels:
@@ -116,6 +183,34 @@ class Kernels:
         args = [x.data_ptr() for x in (q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, *out)]
         self._check(self.lib.tkv_tiered_attention(*args, b, h, t, d, c, kvh, p, m, scale, self._stream()),
                     "tkv_tiered_attention")
+        return out
+
+    def tiered_attention_warm(self, q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, scale,
+                              warm_pool, warm_row, desc, out=None):
+        b, h, t, d = q.shape
+        c, kvh, p, _ = k_pool.shape
+        m = page_table.shape[1]
+        if out is None:
+            out = (torch.empty_like(q), torch.empty(b, h, t, device=q.device),
+                   torch.empty(b, h, t, m, device=q.device))
+        args = [x.data_ptr() for x in (q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, *out)]
+        self._check(self.lib.tkv_tiered_attention_warm(*args, b, h, t, d, c, kvh, p, m, scale, warm_pool.data_ptr(),
+                                                       warm_row.data_ptr(), warm_pool.shape[0], ctypes.byref(desc),
+                                                       self._stream()), "tkv_tiered_attention_warm")
+        return out
+
+    def encode_pages(self, k, v, desc, out=None):
+        out = torch.empty(k.shape[0], desc.page_bytes, dtype=torch.uint8, device=k.device) if out is None else out
+        self._check(self.lib.tkv_encode_pages(k.data_ptr(), v.data_ptr(), out.data_ptr(), k.shape[0],
+                                              ctypes.byref(desc), self._stream()), "tkv_encode_pages")
+        return out
+
+    def decode_pages(self, data, desc, out=None):
+        shape = (data.shape[0], desc.kvh, desc.p, desc.d)
+        if out is None:
+            out = (torch.empty(shape, device=data.device), torch.empty(shape, device=data.device))
+        self._check(self.lib.tkv_decode_pages(data.data_ptr(), out[0].data_ptr(), out[1].data_ptr(), data.shape[0],
+                                              ctypes.byref(desc), self._stream()), "tkv_decode_pages")
         return out
 
     def kv_append(self, k_pool, v_pool, k_new, v_new, slot, offset, k_out, v_out):
@@ -275,6 +370,151 @@ def check_importance(kern: Kernels, refs, gen: torch.Generator, tol: float) -> l
     return checks
 
 
+# --- KV page codecs ----------------------------------------------------------------------------
+
+#: (page shape [KVH, P, D], pages N): SmolLM2 and 70B-like pages, odd page sizes (codes padded to
+#: whole units of 4, groups not starting on byte boundaries), D not a multiple of the group, P = 1
+CODEC_SHAPES = [((3, 16, 64), 7), ((2, 7, 12), 5), ((1, 5, 3), 3), ((8, 16, 128), 4), ((2, 13, 80), 2),
+                ((4, 1, 256), 3)]
+CODEC_DATA = ("random", "edge", "signed zeros")
+
+
+def codec_pages(gen: torch.Generator, n: int, shape: tuple[int, int, int], kind: str) -> torch.Tensor:
+    """Pages [n, KVH, P, D] float32 (CPU) to encode.
+
+    * ``random``: normal * 3;
+    * ``edge``: each token row (n, h, t) one of: zeros, ~1e-6, ~±6e4, subnormals ~1e-40, normal * 3
+      (row kind (n + t) % 5; with n > 1 page 0 is all zeros), then NaN and +Inf at a few positions
+      anywhere and -Inf at a few positions of non-zero rows;
+    * ``signed zeros``: ``edge`` plus -0.0 and -Inf inside zero rows: groups whose sanitized
+      values are zeros of both signs (the asymmetric codecs store their minimum, +0 or -0 by
+      torch's reduction order, as a zero point canonicalized to +0).
+    """
+    kvh, p, d = shape
+    if kind == "random":
+        return torch.randn(n, kvh, p, d, generator=gen) * 3
+    if kind not in CODEC_DATA:
+        raise ValueError(f"unknown codec data kind {kind!r}")
+    sign = torch.where(torch.rand(n, kvh, p, d, generator=gen) < 0.5, -1.0, 1.0)
+    normal = torch.randn(n, kvh, p, d, generator=gen)
+    by_kind = [torch.zeros(n, kvh, p, d), normal * 1e-6, sign * 6e4 * (1 + 0.03 * normal), normal * 1e-40,
+               normal * 3]
+    row_kind = (torch.arange(n).view(n, 1, 1, 1) + torch.arange(p).view(1, 1, p, 1)) % 5
+    if n > 1:
+        row_kind = torch.where(torch.arange(n).view(n, 1, 1, 1) == 0, 0, row_kind)
+    row_kind = row_kind.expand(n, kvh, p, d)
+    x = torch.zeros(n, kvh, p, d)
+    for i, values in enumerate(by_kind):
+        x = torch.where(row_kind == i, values, x)
+    flat, zero_row = x.view(-1), (row_kind == 0).reshape(-1)
+    few = max(2, flat.numel() // 128)
+    order = torch.randperm(flat.numel(), generator=gen)  # distinct positions for the special values
+    anywhere = order[: 2 * few]
+    flat[anywhere] = torch.tensor([float("nan"), float("inf")])[torch.arange(2 * few) % 2]
+    rest = order[2 * few:]
+    flat[rest[~zero_row[rest]][:few]] = float("-inf")
+    if kind == "signed zeros":
+        zero_pos = rest[zero_row[rest]][: 4 * few]
+        flat[zero_pos] = torch.tensor([-0.0, float("-inf")])[torch.arange(len(zero_pos)) % 2]
+    return x
+
+
+def check_codecs(kern: Kernels, gen: torch.Generator) -> list[Check]:
+    """Every codec at CODEC_SHAPES on every CODEC_DATA kind: GPU encode == host encode == the
+    reference bytes, GPU decode == the reference floats."""
+    from tieredkv.plugins import codec
+
+    checks = []
+    for name, spec in codec.CODECS.items():
+        for shape, n in CODEC_SHAPES:
+            desc = codec_desc(kern.lib, name, *shape)
+            exact = {"encode=host": True, "encode=reference": True, "decode=reference": True}
+            errors = {"encode bytes differing": 0.0, "decode max abs error": 0.0}
+            for kind in CODEC_DATA:
+                k, v = codec_pages(gen, n, shape, kind), codec_pages(gen, n, shape, kind)
+                ref = codec.encode_pages(k, v, spec)
+                host = encode_pages_host(kern.lib, k, v, desc)
+                got = kern.encode_pages(k.cuda(), v.cuda(), desc).cpu()
+                ref_k, ref_v = codec.decode_pages(ref, spec, shape)
+                dec_k, dec_v = (x.cpu() for x in kern.decode_pages(ref.cuda(), desc))
+                torch.cuda.synchronize()
+                exact["encode=host"] &= torch.equal(got, host)
+                exact["encode=reference"] &= torch.equal(got, ref)
+                exact["decode=reference"] &= torch.equal(dec_k, ref_k) and torch.equal(dec_v, ref_v)
+                errors["encode bytes differing"] += float((got != ref).sum())
+                errors["decode max abs error"] = max(errors["decode max abs error"],
+                                                     _max_err(dec_k.nan_to_num(), ref_k.nan_to_num()),
+                                                     _max_err(dec_v.nan_to_num(), ref_v.nan_to_num()))
+            case = f"codec={name}, KVH,P,D={shape}, N={n}, data: {', '.join(CODEC_DATA)}"
+            checks.append(Check("KV codec", case, errors, all(exact.values()),
+                                "bit-exact: " + ", ".join(f"{k}={v}" for k, v in exact.items())))
+    return checks
+
+
+def warm_inputs(gen: torch.Generator, spec, inputs, W: int):
+    """A warm pool of W random pages encoded with `spec` and warm rows for `inputs`' page list:
+    ~45% warm, ~10% warm rows past the pool (the kernel masks them), ~5% other negative rows (read
+    from the pools, like -1). Returns (warm_pool, warm_row, reference mask, reference warm_row)."""
+    from tieredkv.plugins import codec
+
+    _, k_pool, _, page_table, page_mask, *_ = inputs
+    _, kvh, p, d = k_pool.shape
+    b, m = page_table.shape
+    warm_pool = codec.encode_pages(torch.randn(W, kvh, p, d, generator=gen) * 1.5,
+                                   torch.randn(W, kvh, p, d, generator=gen) * 1.5, spec)
+    u = torch.rand(b, m, generator=gen)
+    warm_row = torch.full((b, m), -1, dtype=torch.int64)
+    warm_row = torch.where(u < 0.45, torch.randint(0, W, (b, m), generator=gen), warm_row)
+    warm_row = torch.where(u > 0.9, W + torch.randint(0, 3, (b, m), generator=gen), warm_row)
+    warm_row = torch.where((u > 0.85) & (u <= 0.9), -torch.randint(2, 9, (b, m), generator=gen), warm_row)
+    ref_mask = page_mask & (warm_row < W)  # a row past the pool is masked
+    ref_row = torch.where(warm_row >= W, -1, warm_row)
+    return warm_pool, warm_row, ref_mask, ref_row
+
+
+def check_warm_attention(kern: Kernels, refs, gen: torch.Generator, tol: float) -> list[Check]:
+    """Warm TieredAttention vs tiered_attention(..., warm_pool=, warm_row=, warm_codec=): every
+    codec at a SmolLM2-like shape and at one of the awkward shapes."""
+    from tieredkv.plugins import codec
+
+    awkward = [
+        dict(B=3, H=9, KVH=3, T=3, D=64, P=5, M=11, pad=3, C=17, empty_row=False, W=13),
+        dict(B=2, H=6, KVH=2, T=2, D=80, P=7, M=6, pad=1, C=9, empty_row=False, W=5),
+        dict(B=1, H=8, KVH=8, T=4, D=128, P=16, M=13, pad=0, C=13, empty_row=False, W=20),
+        dict(B=2, H=4, KVH=1, T=1, D=256, P=4, M=5, pad=1, C=7, empty_row=True, W=3),
+        dict(B=2, H=6, KVH=3, T=2, D=12, P=13, M=9, pad=2, C=8, empty_row=False, W=7),
+        dict(B=2, H=8, KVH=2, T=2, D=128, P=16, M=300, pad=20, C=320, empty_row=False, W=290),
+        dict(B=2, H=6, KVH=2, T=1, D=3, P=16, M=7, pad=1, C=5, empty_row=False, W=6),
+    ]
+    smol = dict(B=3, H=9, KVH=3, T=1, D=64, P=16, M=9, pad=2, C=23, empty_row=True, W=11)
+    checks = []
+    for i, (name, spec) in enumerate(codec.CODECS.items()):
+        for case in (smol, awkward[i % len(awkward)]):
+            shape = {k: v for k, v in case.items() if k != "W"}
+            inputs = attention_inputs(gen, **shape)
+            warm_pool, warm_row, ref_mask, ref_row = warm_inputs(gen, spec, inputs, case["W"])
+            q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past = inputs
+            scale = case["D"] ** -0.5
+            ref_out, ref_lse, ref_probs = refs.tiered_attention(q, k_pool, v_pool, page_table, ref_mask, page_index,
+                                                                seq_len, past, scale=scale, warm_pool=warm_pool,
+                                                                warm_row=ref_row, warm_codec=name)
+            desc = codec_desc(kern.lib, name, case["KVH"], case["P"], case["D"])
+            dev = [x.cuda() for x in inputs]
+            got = kern.tiered_attention_warm(*dev, scale, warm_pool.cuda(), warm_row.cuda(), desc)
+            torch.cuda.synchronize()
+            got_out, got_lse, got_probs = (x.cpu() for x in got)
+            errors = {"out": _max_err(got_out, ref_out), "lse": _lse_err(got_lse, ref_lse),
+                      "page_probs": _max_err(got_probs, ref_probs)}
+            ok = all(e <= tol for e in errors.values()) and not torch.isnan(got_out).any()
+            kept = page_mask
+            note = (f"kept pages: {int((kept & (warm_row >= 0) & (warm_row < case['W'])).sum())} warm, "
+                    f"{int((kept & (warm_row < 0)).sum())} pool, {int((kept & (warm_row >= case['W'])).sum())} "
+                    f"past the pool; {int((~kept & (warm_row >= 0)).sum())} warm masked")
+            checks.append(Check("TieredAttention warm", f"codec={name}, " + ", ".join(f"{k}={v}" for k, v in case.items()),
+                                errors, ok, note))
+    return checks
+
+
 # --- timing -----------------------------------------------------------------------------------
 
 MODELS = [("SmolLM2-135M", 9, 3, 64), ("llama2-70b-like", 64, 8, 128)]
@@ -311,6 +551,17 @@ def _timing(op, model, shape, ms, nbytes, **extra) -> Timing:
     return Timing(op, model, shape, round(ms * 1e3, 2), int(nbytes), round(nbytes / (ms * 1e-3) / 1e9, 1), extra)
 
 
+def _decode_step(B: int, H: int, T: int, D: int, M: int, ctx: int, dev):
+    """Queries and page list of a decode step over every page of a ``ctx``-token context:
+    (q, page_mask, page_index, seq_len, past, (out, lse, page_probs) buffers)."""
+    q = torch.randn(B, H, T, D, device=dev)
+    page_mask = torch.ones(B, M, dtype=torch.bool, device=dev)
+    page_index = torch.arange(M, device=dev).repeat(B, 1)
+    seq_len = torch.full((B,), ctx, dtype=torch.int64, device=dev)
+    out = (torch.empty_like(q), torch.empty(B, H, T, device=dev), torch.empty(B, H, T, M, device=dev))
+    return q, page_mask, page_index, seq_len, seq_len - T, out
+
+
 def time_kernels(kern: Kernels, repeats: int, batch: int) -> list[Timing]:
     timings = []
     dev = torch.device("cuda")
@@ -321,15 +572,10 @@ def time_kernels(kern: Kernels, repeats: int, batch: int) -> list[Timing]:
             C = B * M
             shape = f"B={B} H={H} KVH={KVH} D={D} ctx={ctx} P={P} M={M} T={T}"
             # TieredAttention over every page of the context, pages scattered over the pool
-            q = torch.randn(B, H, T, D, device=dev)
+            q, page_mask, page_index, seq_len, past, out = _decode_step(B, H, T, D, M, ctx, dev)
             k_pool = torch.randn(C, KVH, P, D, device=dev)
             v_pool = torch.randn(C, KVH, P, D, device=dev)
             page_table = torch.randperm(C, device=dev).view(B, M)
-            page_mask = torch.ones(B, M, dtype=torch.bool, device=dev)
-            page_index = torch.arange(M, device=dev).repeat(B, 1)
-            seq_len = torch.full((B,), ctx, dtype=torch.int64, device=dev)
-            past = seq_len - T
-            out = (torch.empty_like(q), torch.empty(B, H, T, device=dev), torch.empty(B, H, T, M, device=dev))
             ms = _time(lambda: kern.tiered_attention(q, k_pool, v_pool, page_table, page_mask, page_index, seq_len,
                                                      past, D ** -0.5, out=out), repeats)
             kv_bytes = 2 * B * M * P * KVH * D * 4
@@ -365,6 +611,47 @@ def time_kernels(kern: Kernels, repeats: int, batch: int) -> list[Timing]:
     return timings
 
 
+def time_codecs(kern: Kernels, repeats: int, batch: int) -> list[Timing]:
+    """encode_pages / decode_pages of one layer's whole context and the warm TieredAttention over
+    it (every listed page warm), per codec; GB/s of the encoded bytes written / read."""
+    from tieredkv.plugins import codec
+
+    timings = []
+    dev = torch.device("cuda")
+    B, T, P = batch, 1, 16
+    for model, H, KVH, D in MODELS:
+        for ctx in CONTEXTS:
+            M = ctx // P
+            N = B * M
+            shape = f"B={B} H={H} KVH={KVH} D={D} ctx={ctx} P={P} pages={N} T={T}"
+            k = torch.randn(N, KVH, P, D, device=dev)
+            v = torch.randn(N, KVH, P, D, device=dev)
+            q, page_mask, page_index, seq_len, past, att_out = _decode_step(B, H, T, D, M, ctx, dev)
+            page_table = torch.zeros(B, M, dtype=torch.int64, device=dev)  # ignored: every page is warm
+            warm_row = torch.randperm(N, device=dev).view(B, M)
+            float_bytes = 2 * k.numel() * 4
+            for name in codec.CODECS:
+                desc = codec_desc(kern.lib, name, KVH, P, D)
+                data = torch.empty(N, desc.page_bytes, dtype=torch.uint8, device=dev)
+                enc_bytes = data.numel()
+                ms = _time(lambda: kern.encode_pages(k, v, desc, out=data), repeats)
+                timings.append(_timing(f"encode_pages [{name}]", model, shape, ms, enc_bytes,
+                                       float_bytes_read=float_bytes))
+                dec = (torch.empty_like(k), torch.empty_like(v))
+                ms = _time(lambda: kern.decode_pages(data, desc, out=dec), repeats)
+                timings.append(_timing(f"decode_pages [{name}]", model, shape, ms, enc_bytes,
+                                       float_bytes_written=float_bytes))
+                ms = _time(lambda: kern.tiered_attention_warm(q, k, v, page_table, page_mask, page_index, seq_len,
+                                                              past, D ** -0.5, data, warm_row, desc, out=att_out),
+                           repeats)
+                timings.append(_timing(f"TieredAttention warm [{name}]", model, shape, ms, enc_bytes,
+                                       bits_per_value=round(8 * desc.page_bytes / (2 * KVH * P * D), 2)))
+                del data, dec
+            del k, v
+            torch.cuda.empty_cache()
+    return timings
+
+
 # --- report -----------------------------------------------------------------------------------
 
 
@@ -389,6 +676,9 @@ def write_report(out_dir: Path, report: dict) -> None:
         lines.append("")
     if report.get("timings"):
         lines += ["## Timing (median of CUDA-event timed calls; GB/s of the bytes each call must move)", "",
+                  "encode_pages / decode_pages / TieredAttention warm: MB and GB/s of the encoded pages "
+                  "(written by encode, read by decode and by the warm attention, whose every listed page is "
+                  "warm); the float32 bytes are in gpu_check.json.", "",
                   "| op | model | shape | median µs | MB moved | GB/s |", "|---|---|---|---|---|---|"]
         for t in report["timings"]:
             lines.append(f"| {t['op']} | {t['model']} | {t['shape']} | {t['median_us']} | "
@@ -440,20 +730,22 @@ def main(argv: list[str] | None = None) -> int:
         checks += check_attention(kern, refs, gen, args.tol)
         checks += check_kv_append(kern, kv_append, gen)
         checks += check_importance(kern, refs, gen, args.tol)
+        checks += check_codecs(kern, gen)
+        checks += check_warm_attention(kern, refs, gen, args.tol)
     except RuntimeError as exc:  # a launch or execution error: report what ran so far
         report["error"] = str(exc)
     report["checks"] = [asdict(c) for c in checks]
     for c in checks:
-        print(f"{'ok  ' if c.ok else 'FAIL'} {c.op:16s} {c.case}  " +
+        print(f"{'ok  ' if c.ok else 'FAIL'} {c.op:20s} {c.case}  " +
               " ".join(f"{k}={v:.2e}" for k, v in c.errors.items()) + (f"  [{c.note}]" if c.note else ""))
     passed = bool(checks) and all(c.ok for c in checks) and "error" not in report
 
     if not args.no_timing and "error" not in report:
         try:
-            timings = time_kernels(kern, args.repeats, args.batch)
+            timings = time_kernels(kern, args.repeats, args.batch) + time_codecs(kern, args.repeats, args.batch)
             report["timings"] = [asdict(t) for t in timings]
             for t in timings:
-                print(f"time {t.op:26s} {t.model:16s} {t.shape}: {t.median_us} us, {t.gb_per_s} GB/s")
+                print(f"time {t.op:34s} {t.model:16s} {t.shape}: {t.median_us} us, {t.gb_per_s} GB/s")
         except RuntimeError as exc:
             report["error"] = f"timing: {exc}"
             passed = False

@@ -41,7 +41,8 @@ LIB=""
       fi
     else
       mkdir -p "$DEVICE_BUILD"
-      if nvcc -std=c++17 -O3 -shared -Xcompiler -fPIC,-fvisibility=hidden \
+      # -ffp-contract=off as in CMakeLists.txt: the host codec (the check compares against it) must not fuse a*b+c
+      if nvcc -std=c++17 -O3 -shared -Xcompiler -fPIC,-fvisibility=hidden,-ffp-contract=off \
           -gencode=arch=compute_90,code=sm_90 -gencode=arch=compute_90,code=compute_90 \
           -I"$ROOT/plugins/csrc" "$ROOT/plugins/csrc/capi.cu" -o "$DEVICE_BUILD/libtieredkv_kernels.so"; then
         LIB="$DEVICE_BUILD/libtieredkv_kernels.so"

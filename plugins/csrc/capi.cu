@@ -2,13 +2,17 @@
 // the launch_* functions of kernels/*.cuh. The TensorRT plugins call these same functions.
 #include "tieredkv_kernels.h"
 
+#include "kernels/codec.cuh"
 #include "kernels/importance_score.cuh"
 #include "kernels/kv_append.cuh"
 #include "kernels/tiered_attention.cuh"
 
 namespace {
 cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
+int invalid() { return static_cast<int>(cudaErrorInvalidValue); }
 }  // namespace
+
+static_assert(sizeof(tkv_codec_desc_t) == 10 * 4 + 33 * 8, "tkv_codec_desc_t: 10 int32 then 33 int64, no holes");
 
 extern "C" {
 
@@ -20,6 +24,48 @@ TKV_API int tkv_tiered_attention(const float* q, const float* k_pool, const floa
     return static_cast<int>(tieredkv::kernels::launch_tiered_attention(
         q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, out, lse, page_probs, B, H, T, D, C,
         KVH, P, M, scale, as_stream(stream)));
+}
+
+TKV_API int tkv_tiered_attention_warm(const float* q, const float* k_pool, const float* v_pool,
+                                      const int64_t* page_table, const uint8_t* page_mask, const int64_t* page_index,
+                                      const int64_t* seq_len, const int64_t* past, float* out, float* lse,
+                                      float* page_probs, int64_t B, int64_t H, int64_t T, int64_t D, int64_t C,
+                                      int64_t KVH, int64_t P, int64_t M, float scale, const uint8_t* warm_pool,
+                                      const int64_t* warm_row, int64_t W, const tkv_codec_desc_t* desc,
+                                      void* stream) {
+    if (desc == nullptr) return invalid();
+    return static_cast<int>(tieredkv::kernels::launch_tiered_attention_warm(
+        q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, out, lse, page_probs, B, H, T, D, C,
+        KVH, P, M, scale, warm_pool, warm_row, W, *desc, as_stream(stream)));
+}
+
+TKV_API int tkv_codec_desc(const char* name, int64_t kvh, int64_t p, int64_t d, tkv_codec_desc_t* out) {
+    return tieredkv::kernels::codec::make_codec_desc(name, kvh, p, d, out) ? 0 : invalid();
+}
+
+TKV_API int64_t tkv_codec_desc_sizeof(void) { return static_cast<int64_t>(sizeof(tkv_codec_desc_t)); }
+
+TKV_API int tkv_encode_pages(const float* k, const float* v, uint8_t* out, int64_t N, const tkv_codec_desc_t* desc,
+                             void* stream) {
+    if (desc == nullptr) return invalid();
+    return static_cast<int>(tieredkv::kernels::codec::launch_encode_pages(k, v, out, N, *desc, as_stream(stream)));
+}
+
+TKV_API int tkv_decode_pages(const uint8_t* data, float* k, float* v, int64_t N, const tkv_codec_desc_t* desc,
+                             void* stream) {
+    if (desc == nullptr) return invalid();
+    return static_cast<int>(tieredkv::kernels::codec::launch_decode_pages(data, k, v, N, *desc, as_stream(stream)));
+}
+
+TKV_API int tkv_encode_pages_host(const float* k, const float* v, uint8_t* out, int64_t N,
+                                  const tkv_codec_desc_t* desc) {
+    if (desc == nullptr) return invalid();
+    return static_cast<int>(tieredkv::kernels::codec::encode_pages_host(k, v, out, N, *desc));
+}
+
+TKV_API int tkv_decode_pages_host(const uint8_t* data, float* k, float* v, int64_t N, const tkv_codec_desc_t* desc) {
+    if (desc == nullptr) return invalid();
+    return static_cast<int>(tieredkv::kernels::codec::decode_pages_host(data, k, v, N, *desc));
 }
 
 TKV_API int tkv_kv_append(const void* k_pool, const void* v_pool, const void* k_new, const void* v_new,

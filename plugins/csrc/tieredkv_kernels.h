@@ -18,6 +18,75 @@
 extern "C" {
 #endif
 
+/* ---- KV page codecs (docs/codec.md; reference tieredkv.plugins.codec) ---------------------- */
+
+/* tkv_codec_desc_t.base */
+#define TKV_CODEC_FP8 0 /* FP8 E4M3 codes */
+#define TKV_CODEC_INT 1 /* n-bit integer codes */
+/* tkv_codec_desc_t.axis[role] (role 0 = K, 1 = V) */
+#define TKV_AXIS_TOKEN 0   /* groups of gcd(group, D) values of one token and kv head */
+#define TKV_AXIS_CHANNEL 1 /* groups of the P values of one channel and kv head */
+/* sections of an encoded page, in layout order (index of offset[role][.] and bytes[role][.]) */
+#define TKV_SECTION_CODES 0
+#define TKV_SECTION_SCALE 1
+#define TKV_SECTION_ZERO 2
+#define TKV_SECTION_RCODES 3
+#define TKV_SECTION_RSCALE 4
+#define TKV_SECTION_KEYFRAMES 5
+#define TKV_CODEC_SECTIONS 6
+
+/* A codec (an entry of codec.CODECS) for pages of one layer, K and V [KVH, P, D] each, and the
+ * byte layout of such a page (codec.page_layout). Build it with tkv_codec_desc; the functions
+ * taking one refuse a descriptor that differs from what that builds. Plain C, no holes: 10 int32
+ * then 33 int64 (304 bytes). */
+typedef struct tkv_codec_desc_t {
+    int32_t codec;              /* index of the codec in codec.CODECS order: fp8, fp8-r2, int6-r2,
+                                   int4, int4-g16, int2, fp8-r2-delta */
+    int32_t base;               /* TKV_CODEC_FP8 or TKV_CODEC_INT */
+    int32_t bits;               /* code bits: 8 (fp8), 6, 4 or 2 */
+    int32_t asym;               /* 1: min/max scale + fp16 zero point (KIVI); 0: symmetric absmax */
+    int32_t residual_bits;      /* 0, or 2: a 2-bit residual code per value + a bf16 scale per group */
+    int32_t keyframe;           /* delta coding along tokens, fp16 keyframe every `keyframe` tokens; 0: none */
+    int32_t group;              /* the codec's per-token group size (used as gcd(group, D)) */
+    int32_t axis[2];            /* grouping of K ([0]) and V ([1]): TKV_AXIS_TOKEN / TKV_AXIS_CHANNEL */
+    int32_t keyframes_per_page; /* ceil(P / keyframe), 0 without keyframes */
+    int64_t kvh, p, d;          /* page shape [KVH, P, D] of K and of V */
+    int64_t values;             /* KVH * P * D */
+    int64_t group_size[2];      /* values per group, K and V */
+    int64_t groups[2];          /* groups per page, K and V (values / group_size) */
+    int64_t offset[2][TKV_CODEC_SECTIONS]; /* byte offset of each section of K / V in the page; -1 absent */
+    int64_t bytes[2][TKV_CODEC_SECTIONS];  /* bytes of each section (before alignment); 0 absent */
+    int64_t page_bytes;         /* bytes of one encoded page (K + V, alignment padding included) */
+} tkv_codec_desc_t;
+
+/* Fills *out for codec `name` (a key of codec.CODECS) and pages [kvh, p, d]. Returns 0, or
+ * cudaErrorInvalidValue (1) for an unknown name, a size <= 0 (or absurdly large) or a null pointer.
+ * Runs on the host only (no device, no CUDA call). */
+TKV_API int tkv_codec_desc(const char* name, int64_t kvh, int64_t p, int64_t d, tkv_codec_desc_t* out);
+
+/* sizeof(tkv_codec_desc_t), for bindings that mirror the struct. */
+TKV_API int64_t tkv_codec_desc_sizeof(void);
+
+/* KV page encode: k, v [N,KVH,P,D] f32 -> out [N, desc->page_bytes] u8 (codec.encode_pages,
+ * bit-exact; alignment padding zeroed). Device pointers; one block per (page, K or V). */
+TKV_API int tkv_encode_pages(const float* k, const float* v, uint8_t* out, int64_t N, const tkv_codec_desc_t* desc,
+                             void* stream);
+
+/* KV page decode: data [N, desc->page_bytes] u8 -> k, v [N,KVH,P,D] f32 (codec.decode_pages,
+ * bit-exact). Device pointers. */
+TKV_API int tkv_decode_pages(const uint8_t* data, float* k, float* v, int64_t N, const tkv_codec_desc_t* desc,
+                             void* stream);
+
+/* tkv_encode_pages on HOST memory: plain CPU loops over the same __host__ __device__ element
+ * functions the kernels run (no device needed). Synchronous; returns 0 or cudaErrorInvalidValue. */
+TKV_API int tkv_encode_pages_host(const float* k, const float* v, uint8_t* out, int64_t N,
+                                  const tkv_codec_desc_t* desc);
+
+/* tkv_decode_pages on HOST memory, likewise. */
+TKV_API int tkv_decode_pages_host(const uint8_t* data, float* k, float* v, int64_t N, const tkv_codec_desc_t* desc);
+
+/* ---- the ops -------------------------------------------------------------------------------- */
+
 /* TieredAttention: q [B,H,T,D] f32; k_pool, v_pool [C,KVH,P,D] f32; page_table [B,M] i64;
  * page_mask [B,M] bool (1 byte); page_index [B,M] i64; seq_len [B] i64; past [B] i64
  * -> out [B,H,T,D] f32, lse [B,H,T] f32, page_probs [B,H,T,M] f32. */
@@ -26,6 +95,20 @@ TKV_API int tkv_tiered_attention(const float* q, const float* k_pool, const floa
                                  const int64_t* past, float* out, float* lse, float* page_probs, int64_t B, int64_t H,
                                  int64_t T, int64_t D, int64_t C, int64_t KVH, int64_t P, int64_t M, float scale,
                                  void* stream);
+
+/* TieredAttention over pools and warm (encoded) pages: the arguments of tkv_tiered_attention,
+ * then warm_pool [W, desc->page_bytes] u8 (pages encoded as by tkv_encode_pages, page shape
+ * [KVH,P,D] = the pools'), warm_row [B,M] i64 (warm-pool row of listed page m; < 0: read the
+ * pools through page_table; >= W: masked), W, desc (host pointer, from tkv_codec_desc with the
+ * pools' KVH, P, D). Warm pages are decoded per element on the fly, bit-exact with
+ * codec.decode_pages. */
+TKV_API int tkv_tiered_attention_warm(const float* q, const float* k_pool, const float* v_pool,
+                                      const int64_t* page_table, const uint8_t* page_mask, const int64_t* page_index,
+                                      const int64_t* seq_len, const int64_t* past, float* out, float* lse,
+                                      float* page_probs, int64_t B, int64_t H, int64_t T, int64_t D, int64_t C,
+                                      int64_t KVH, int64_t P, int64_t M, float scale, const uint8_t* warm_pool,
+                                      const int64_t* warm_row, int64_t W, const tkv_codec_desc_t* desc,
+                                      void* stream);
 
 /* KVAppend: k_pool, v_pool [C,KVH,P,D]; k_new, v_new [N,KVH,D]; slot, offset [N] i64
  * -> k_pool_out, v_pool_out [C,KVH,P,D] (copies of the pools unless out == in, then in place)

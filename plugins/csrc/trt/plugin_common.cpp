@@ -49,6 +49,30 @@ bool read_float_field(nvinfer1::PluginFieldCollection const* fc, char const* plu
     return false;
 }
 
+bool read_string_field(nvinfer1::PluginFieldCollection const* fc, char const* plugin, char const* name,
+                       std::string& dst) noexcept {
+    try {
+        dst.clear();
+        if (fc == nullptr) return true;
+        for (int32_t i = 0; i < fc->nbFields; ++i) {
+            nvinfer1::PluginField const& field = fc->fields[i];
+            if (field.name == nullptr || std::strcmp(field.name, name) != 0) continue;
+            if (field.type != nvinfer1::PluginFieldType::kCHAR) {
+                log_error(std::string(plugin) + ": attribute '" + name + "' must be a string (kCHAR)");
+                return false;
+            }
+            if (field.data == nullptr || field.length == 0) return true;
+            char const* data = static_cast<char const*>(field.data);
+            dst = field.length < 0 ? std::string(data) : std::string(data, static_cast<size_t>(field.length));
+            dst = dst.substr(0, dst.find('\0'));
+            return true;
+        }
+        return true;
+    } catch (...) {  // out of memory while copying the string
+        return false;
+    }
+}
+
 int64_t volume(nvinfer1::Dims const& dims) noexcept {
     int64_t n = 1;
     for (int32_t i = 0; i < dims.nbDims; ++i) n *= dims.d[i];

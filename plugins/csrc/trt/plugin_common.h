@@ -28,6 +28,12 @@ void set_logger_finder(nvinfer1::ILoggerFinder* finder) noexcept;
 bool read_float_field(nvinfer1::PluginFieldCollection const* fc, char const* plugin, char const* name, float* dst,
                       int32_t count) noexcept;
 
+//! Reads the optional string field `name` (kCHAR, `length` bytes, cut at a NUL; a negative
+//! length means NUL-terminated) from `fc` into `dst`; an absent field leaves `dst` empty. False
+//! (and an error logged for `plugin`) when the field has another type.
+bool read_string_field(nvinfer1::PluginFieldCollection const* fc, char const* plugin, char const* name,
+                       std::string& dst) noexcept;
+
 //! Product of the dims (the element count of a linear tensor).
 int64_t volume(nvinfer1::Dims const& dims) noexcept;
 

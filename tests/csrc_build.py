@@ -1,0 +1,68 @@
+"""Shared by the tests of plugins/csrc (test_cuda_build.py, test_cuda_codec.py): one CMake
+build of the CUDA libraries per test session, and tools/gpu_check.py (whose ctypes bindings
+the tests use) imported as a module. Building needs nvcc and cmake, no GPU; the TensorRT
+plugin library is built too when ``TRT_INCLUDE_DIR`` names a directory holding NvInfer.h."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "plugins" / "csrc"
+
+#: skip marker for modules that need the CUDA toolchain
+needs_nvcc = pytest.mark.skipif(not (shutil.which("nvcc") and shutil.which("cmake")),
+                                reason="needs nvcc and cmake on PATH")
+
+_builds: dict[str, Path] = {}
+
+
+def trt_include() -> Path | None:
+    value = os.environ.get("TRT_INCLUDE_DIR")
+    if value and (Path(value) / "NvInfer.h").is_file():
+        return Path(value)
+    return None
+
+
+def run(cmd: list[str], timeout: int = 600, **kwargs) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def build_plugins(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Configure and build plugins/csrc (once per session and TRT_INCLUDE_DIR); the build dir."""
+    key = str(trt_include())
+    if key in _builds:
+        return _builds[key]
+    build = tmp_path_factory.mktemp("plugins_build")
+    cmd = ["cmake", "-S", str(SOURCE), "-B", str(build)]
+    if shutil.which("ninja"):
+        cmd += ["-G", "Ninja"]
+    if trt_include() is not None:
+        cmd.append(f"-DTRT_INCLUDE_DIR={trt_include()}")
+    configure = run(cmd)
+    if trt_include() is None:
+        assert "skipping tieredkv_trt_plugins" in configure.stdout
+    run(["cmake", "--build", str(build), "-j2"])
+    _builds[key] = build
+    return build
+
+
+def load_gpu_check() -> types.ModuleType:
+    """tools/gpu_check.py as the module ``gpu_check`` (imports without a GPU)."""
+    if "gpu_check" in sys.modules:
+        return sys.modules["gpu_check"]
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gpu_check  # its dataclasses look their module up
+    spec.loader.exec_module(gpu_check)
+    return gpu_check
