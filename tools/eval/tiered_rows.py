@@ -28,8 +28,8 @@ from tieredkv.runtime.tiered.store import WarmPool
 WarmPool.memoize_decoded = True  # CPU evaluation aid: each warm page decoded once; identical numerics
 
 MASKED_POLICIES = ("lru", "lfu", "lfu-importance", "h2o", "streaming")
-WARM_CODECS = ("int4", "fp8-r2")
-WARM_FRACTION = 0.75
+#: (codec, warm_fraction) of the warm rows; the 0.75 rows are named without the fraction
+WARM_ROWS = (("int4", 0.75), ("fp8-r2", 0.75), ("int4", 1.0))
 
 
 def _row(name: str, **cfg) -> Row:
@@ -47,8 +47,8 @@ def rows() -> list[Row]:
     out += [_row(f"tieredkv-masked-{p}", mode="masked", policy=p) for p in MASKED_POLICIES]
     # issue #4: the same device bytes with a warm (compressed) share: more pages resident and attended.
     # Pages stored in float16 (the deployment dtype; the budget is a fraction of the float16 cache)
-    out += [_row(f"tieredkv-exact-warm-{c}", mode="exact", policy="lfu-importance", kv_dtype="float16",
-                 warm_codec=c, warm_fraction=WARM_FRACTION) for c in WARM_CODECS]
+    out += [_row(f"tieredkv-exact-warm-{c}" + ("" if f == 0.75 else f"-f{f:g}"), mode="exact",
+                 policy="lfu-importance", kv_dtype="float16", warm_codec=c, warm_fraction=f) for c, f in WARM_ROWS]
     keep = os.environ.get("TIEREDKV_ROWS_FILTER")
     if keep:
         names = set(keep.split(","))
