@@ -44,7 +44,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script from a checkout: import the installed package's modules
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tieredkv.errors import TieredKVError  # noqa: E402
+from tieredkv.errors import EngineBuildError, TieredKVError  # noqa: E402
 from tieredkv.runtime.engine import (  # noqa: E402
     CONFIG_FILE,
     ENGINE_FORMAT,
@@ -118,9 +118,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def check_output(output: Path, *, force: bool) -> None:
     if output.exists() or output.is_symlink():
         if not force:
-            raise TieredKVError(f"{output}: already exists; pass --force to replace it, or choose another --output")
+            raise EngineBuildError(f"{output}: already exists; pass --force to replace it, or choose another --output")
         if not output.is_dir():
-            raise TieredKVError(f"{output}: exists and is not a directory; refusing to replace it")
+            raise EngineBuildError(f"{output}: exists and is not a directory; refusing to replace it")
 
 
 def _layers_progress(total: int):
@@ -197,7 +197,7 @@ def build(args: argparse.Namespace) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.building-", dir=output.parent))
     except OSError as exc:
         _remove_dirs(created)
-        raise TieredKVError(f"{output.parent}: cannot create the engine directory there ({exc.strerror})") from None
+        raise EngineBuildError(f"{output.parent}: cannot create the engine directory there ({exc.strerror})") from None
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -206,7 +206,7 @@ def build(args: argparse.Namespace) -> Path:
             options = StepGraphOptions(tiered_kv=args.tiered_kv, page_size=args.page_size,
                                        selection_weights=tuple(args.selection_weights), warm_codec=args.warm_codec)
         except ValueError as exc:
-            raise TieredKVError(f"--warm-codec / --page-size: {exc}") from None
+            raise EngineBuildError(f"build options: {exc}") from None
         log(f"[2/6] building the {'tiered' if options.tiered_kv else 'plain paged'} step graph "
             f"(opset {OPSET}, page size {options.page_size})")
         graph = build_step_graph(model, options, progress=_layers_progress(config.num_layers))
@@ -237,6 +237,10 @@ def build(args: argparse.Namespace) -> Path:
             "model": config.to_dict(),
             "source": {"path": str(loaded.source), "format": loaded.format},
             "tiered_kv": options.tiered_kv,
+            # the TieredKVConfig fields the graph bakes in (the runtime refuses a cache config that differs);
+            # every other tier setting (budgets, policy, mode, thresholds, warm fraction) is the runtime's choice
+            "tier_config": {"page_size": options.page_size, "selection_weights": list(options.selection_weights),
+                            "warm_codec": options.warm_codec},
             "tokenizer": TOKENIZER_DIR if loaded.tokenizer is not None else None,
             "graphs": {"step": {"file": STEP_GRAPH, "steps": ["decode", "prefill"],
                                 "inputs": step_input_names(n, tiered_kv=options.tiered_kv,
@@ -271,6 +275,28 @@ def build(args: argparse.Namespace) -> Path:
     return output
 
 
+def rebuild_command(args: argparse.Namespace) -> str:
+    """The command that builds this engine on a GPU machine: every option of this build (the
+    checkpoint and output as placeholders when they are paths of this machine), with the
+    plugin library where CMake puts it."""
+    defaults = parse_args(["--output", "x"])
+    parts = ["python builder/build_engine.py"]
+    if args.tiered_kv:
+        parts.append("--tiered-kv")
+    if args.warm_codec:
+        parts.append(f"--warm-codec {args.warm_codec}")
+    parts.append(f"--model {args.model if args.model and not Path(args.model).exists() else '<checkpoint>'}")
+    parts.append("--output <ENGINE_DIR> --force")
+    for flag in ("page_size", "tolerance", "max_batch", "max_context", "prefill_chunk", "precision"):
+        parts.append(f"--{flag.replace('_', '-')} {getattr(args, flag)}")
+    if list(args.selection_weights) != list(defaults.selection_weights):
+        parts.append("--selection-weights " + " ".join(f"{w:g}" for w in args.selection_weights))
+    if args.external_data:
+        parts.append("--external-data")
+    parts.append(f"--plugin-library {args.plugin_library or 'build/plugins/libtieredkv_trt_plugins.so'}")
+    return " ".join(parts)
+
+
 def tensorrt_profiles(config, *, page_size: int, max_batch: int, max_context: int, prefill_chunk: int,
                       tiered_kv: bool, warm_codec: str | None = None) -> dict[str, dict[str, list[list[int]]]]:
     """The two TensorRT optimization profiles of the step graph, as {profile: {input: [min,
@@ -295,7 +321,7 @@ def tensorrt_profiles(config, *, page_size: int, max_batch: int, max_context: in
         if tiered_kv:
             prof.update(page_pinned=shape(b, m), page_tokens=shape(b, m), attend_pages=shape(b),
                         key_min=shape(L, b, m, kvh, d), key_max=shape(L, b, m, kvh, d), page_saliency=shape(L, b, m),
-                        position_table=shape(L, 16))
+                        position_table=shape(L, (1, 16, 64)))  # the scorer's buckets (16 by default)
         if warm_codec is not None:
             from tieredkv.plugins.codec import CODECS, page_bytes
 
@@ -314,11 +340,7 @@ def build_tensorrt_if_available(onnx_path: Path, plan_path: Path, args: argparse
                                 tiered_kv: bool) -> tuple[bool, str]:
     """Build ``plan_path`` from ``onnx_path`` where TensorRT is importable. Returns (built,
     a sentence saying what happened)."""
-    warm = f"--warm-codec {args.warm_codec} " if args.warm_codec else ""
-    rebuild = (f"python builder/build_engine.py {'--tiered-kv ' if tiered_kv else ''}{warm}--model <checkpoint> "
-               f"--output <ENGINE_DIR> --page-size {args.page_size} "
-               f"--plugin-library build/plugins/libtieredkv_trt_plugins.so "
-               f"--max-batch {args.max_batch} --max-context {args.max_context} --precision {args.precision}")
+    rebuild = rebuild_command(args)
     try:
         import tensorrt as trt
     except ImportError:
@@ -331,7 +353,7 @@ def build_tensorrt_if_available(onnx_path: Path, plan_path: Path, args: argparse
     registry = trt.get_plugin_registry()
     if args.plugin_library is not None:
         if not args.plugin_library.is_file():
-            raise TieredKVError(f"{args.plugin_library}: plugin library not found")
+            raise EngineBuildError(f"{args.plugin_library}: plugin library not found")
         registry.load_library(str(args.plugin_library))
     from tieredkv.plugins.onnx_ops import (IMPORTANCE_SCORE, KV_APPEND, PLUGIN_NAMESPACE, PLUGIN_VERSION,
                                            TIERED_ATTENTION)
@@ -339,11 +361,17 @@ def build_tensorrt_if_available(onnx_path: Path, plan_path: Path, args: argparse
     ops = [TIERED_ATTENTION, KV_APPEND] + ([IMPORTANCE_SCORE] if tiered_kv else [])
     missing = [op for op in ops if registry.get_creator(op, PLUGIN_VERSION, PLUGIN_NAMESPACE) is None]
     if missing:
-        raise TieredKVError(f"TensorRT has no plugin creator for {missing} (namespace {PLUGIN_NAMESPACE!r}, version "
+        raise EngineBuildError(f"TensorRT has no plugin creator for {missing} (namespace {PLUGIN_NAMESPACE!r}, version "
                             f"{PLUGIN_VERSION}); pass --plugin-library with the tieredkv plugin library")
     builder = trt.Builder(logger)
     network = builder.create_network(0)
     parser = trt.OnnxParser(network, logger)
+    override = getattr(trt.OnnxParserFlag, "ENABLE_PLUGIN_OVERRIDE", None)
+    if override is not None:  # nodes carrying plugin_namespace / plugin_version become their registered plugins
+        parser.set_flag(override)
+    else:
+        log(f"      TensorRT {trt.__version__} has no OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE: it maps custom-domain "
+            "nodes to registered plugins by op type")
     if not parser.parse_from_file(str(onnx_path)):
         errs = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise VerificationError(f"TensorRT's ONNX parser rejects {STEP_GRAPH}: {errs}")
@@ -377,7 +405,7 @@ def _make_parents(parent: Path) -> list[Path]:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         _remove_dirs(missing)
-        raise TieredKVError(f"{parent}: cannot create the output directory ({exc.strerror})") from None
+        raise EngineBuildError(f"{parent}: cannot create the output directory ({exc.strerror})") from None
     return missing
 
 

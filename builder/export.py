@@ -138,8 +138,9 @@ class StepGraphOptions:
                                  f"{sorted(n for n, c in CODECS.items() if not c.keyframe)} (the delta codec's "
                                  "decode is a scan along tokens and has no ONNX form)")
         w = tuple(float(x) for x in self.selection_weights)
-        if len(w) != 3 or any(not x >= 0 for x in w):
-            raise ValueError(f"selection_weights: expected 3 non-negative floats, got {self.selection_weights!r}")
+        if len(w) != 3 or any(not x >= 0 for x in w) or abs(sum(w) - 1.0) > 1e-6:
+            raise ValueError(f"selection_weights: expected 3 non-negative floats summing to 1 (the runtime's "
+                             f"selection_weights), got {self.selection_weights!r}")
         object.__setattr__(self, "selection_weights", w)
 
 

@@ -111,6 +111,9 @@ class KVCache(abc.ABC):
     def kv_bytes(self) -> int:
         """Bytes of K/V storage this cache holds right now."""
 
+    def close(self) -> None:
+        """Release what outlives the sequences (files); the cache's statistics stay readable."""
+
 
 class ContiguousKVCache(KVCache):
     """One growing [KVH, S, D] tensor pair per (layer, sequence). The oracle."""

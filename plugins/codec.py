@@ -27,6 +27,8 @@ q + 2^(n-1). Rounding is half-to-even everywhere (torch.round, ONNX Round, FP8 c
 
 Non-finite input (defined behaviour): NaN is encoded as 0 and ±Inf as ±(the group's
 largest finite magnitude) before quantization; scales are computed from finite values.
+Zero points and keyframes are float16 and saturate at ±65504: a group reaching beyond
+float16's range decodes with that error, never to Inf/NaN.
 A group of zeros gets scale 1 (exactly representable; decodes to exact zeros). Scales
 are bfloat16 (float32's range: tiny groups stay representable), zero points float16.
 
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP16_MAX = 65504.0  # largest finite float16: zero points and keyframes saturate there
 ALIGN = 128
 
 
@@ -127,7 +130,8 @@ def quantize(xg: torch.Tensor, spec: CodecSpec) -> dict[str, torch.Tensor]:
     if spec.asym:
         lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
         scale = _stored_scale((hi - lo) / levels)
-        zero = (lo + 0.0).half().float()  # -0 -> +0: the sign of a zero minimum is torch's reduction order's
+        # -0 -> +0 (the sign of a zero minimum is torch's reduction order's); saturated to float16's range
+        zero = (lo + 0.0).clamp(-FP16_MAX, FP16_MAX).half().float()
         codes = torch.clamp(torch.round((xg - zero) / scale), 0, levels)
         return {"codes": codes.to(torch.uint8), "scale": scale.to(SCALE_DTYPE), "zero": zero.half()}
     half = 2 ** (spec.bits - 1)
@@ -170,7 +174,7 @@ def encode(x: torch.Tensor, spec: CodecSpec, *, role: str = "k") -> dict[str, to
         t = torch.arange(x.shape[1])
         key = (t % spec.keyframe) == 0
         xs = sanitize(x.reshape(-1, x.shape[-1])).reshape(x.shape)
-        out["keyframes"] = xs[:, key].half()
+        out["keyframes"] = xs[:, key].clamp(-FP16_MAX, FP16_MAX).half()
         prev = torch.cat([torch.zeros_like(xs[:, :1]), xs[:, :-1]], dim=1)
         x = torch.where(key.view(1, -1, 1), torch.zeros_like(xs), xs - prev)
     xg = sanitize(_to_groups(x, axis, spec.group))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from onnx import FunctionProto, ModelProto, TensorProto, helper
 
-from tieredkv.plugins.codec import FP8_MAX, CodecSpec
+from tieredkv.plugins.codec import FP8_MAX, FP16_MAX, CodecSpec
 
 DOMAIN = "tieredkv"
 PLUGIN_NAMESPACE = "tieredkv"
@@ -76,7 +76,8 @@ def _quantize(b: _Body, x: str, spec: CodecSpec) -> tuple[list[str], str]:
         lo = b.op("ReduceMin", x, axes, keepdims=1)
         hi = b.op("ReduceMax", x, axes, keepdims=1)
         scale = _stored_scale(b, b.op("Div", b.op("Sub", hi, lo), b.const(levels)), "scale")
-        zero16 = b.op("Cast", b.op("Add", lo, b.const(0.0)), to=TensorProto.FLOAT16)  # -0 -> +0 (codec.quantize)
+        zero16 = b.op("Cast", b.op("Clip", b.op("Add", lo, b.const(0.0)), b.const(-FP16_MAX), b.const(FP16_MAX)),
+                      to=TensorProto.FLOAT16)  # -0 -> +0, saturated (codec.quantize)
         zero = b.op("Cast", zero16, to=TensorProto.FLOAT, out="zero")
         q = b.op("Clip", b.op("Round", b.op("Div", b.op("Sub", x, zero), scale)), b.const(0.0), b.const(levels))
         codes = b.op("Cast", q, to=TensorProto.UINT8, out="codes")

@@ -230,7 +230,7 @@ class TensorRTBackend(_Backend):
             raise BackendUnavailableError(
                 "the tensorrt backend needs TensorRT (>= 10.15) and a CUDA GPU; TensorRT is not installed here. "
                 f"Run {self.engine.path} with --backend onnxruntime, or build its TensorRT engine on a GPU machine "
-                "(docs/plugins.md, 'Building the TensorRT engine')") from None
+                "(docs/engine.md, 'Building the TensorRT engine on a GPU machine')") from None
         if not torch.cuda.is_available():
             raise BackendUnavailableError("the tensorrt backend needs a CUDA GPU; torch sees none")
         if self.engine.tensorrt_engine is None or not self.engine.tensorrt_engine.is_file():

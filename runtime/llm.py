@@ -106,5 +106,8 @@ class LLM:
         self.last_stats = GenerationStats()
         full = max(len(p) for p in ids) + params.max_new_tokens if ids else None
         self.last_cache = self.new_cache(full_tokens=full, num_sequences=len(ids))
-        return generate(self.model, self.last_cache, ids, params, tokenizer=self.tokenizer,
-                        on_token=on_token, prefill_chunk=self.prefill_chunk, stats=self.last_stats)
+        try:
+            return generate(self.model, self.last_cache, ids, params, tokenizer=self.tokenizer,
+                            on_token=on_token, prefill_chunk=self.prefill_chunk, stats=self.last_stats)
+        finally:
+            self.last_cache.close()  # its statistics stay readable

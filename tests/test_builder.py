@@ -354,3 +354,34 @@ def test_cli_warm_codec_engine_and_its_errors(tiny_gguf, tmp_path):
         proc = run_build(*args, "--model", str(tiny_gguf), "--output", str(bad))
         assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr
         assert not bad.exists()
+
+
+def test_cli_unwritable_output_and_unsupported_model_leave_nothing(tiny_gguf, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")  # an output under a regular file cannot be created, even as root
+    proc = run_build("--tiered-kv", "--model", str(tiny_gguf), "--output", str(blocker / "engines" / "e"))
+    assert proc.returncode == 2 and "cannot create" in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"] and blocker.read_text() == "not a directory"
+    # a readable checkpoint of another architecture: typed error naming it, nothing written
+    other = write_gguf(tmp_path / "other.gguf", tiny_model(seed=2), arch="gpt2")
+    out = tmp_path / "engine"
+    proc = run_build("--tiered-kv", "--model", str(other), "--output", str(out))
+    assert proc.returncode == 2 and "gpt2" in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists()
+    # a selection mix the runtime could never run with
+    proc = run_build("--tiered-kv", "--model", str(tiny_gguf), "--output", str(out), "--selection-weights", "1", "1", "0")
+    assert proc.returncode == 2 and "summing to 1" in proc.stderr and not out.exists()
+
+
+def test_rebuild_command_carries_every_option():
+    from tieredkv.builder.build_engine import parse_args, rebuild_command
+
+    args = parse_args(["--tiered-kv", "--warm-codec", "int4", "--output", "e", "--page-size", "8", "--selection-weights",
+                       "0.5", "0.25", "0.25", "--tolerance", "0.01", "--external-data", "--max-batch", "4",
+                       "--max-context", "4096", "--prefill-chunk", "256", "--precision", "bf16"])
+    cmd = rebuild_command(args)
+    for part in ("--tiered-kv", "--warm-codec int4", "--page-size 8", "--selection-weights 0.5 0.25 0.25",
+                 "--tolerance 0.01", "--external-data", "--max-batch 4", "--max-context 4096", "--prefill-chunk 256",
+                 "--precision bf16", "--plugin-library build/plugins/libtieredkv_trt_plugins.so", "--model <checkpoint>"):
+        assert part in cmd, part
+    assert parse_args(cmd.split()[2:]).selection_weights == [0.5, 0.25, 0.25]  # the command parses back

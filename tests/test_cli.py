@@ -120,3 +120,29 @@ def test_kv_config_file_and_errors(tiny_gguf, tmp_path, capsys):
     assert "unknown policy 'fifo'" in capsys.readouterr().err
     assert main(["generate", "--model", tiny_gguf, "--prompt", "x y z", "--kv-budget", "1%"]) == 2
     assert "too small to hold the hot window" in capsys.readouterr().err
+
+
+def test_eval_passkey_with_tiered_flags_and_attention_budget(tiny_gguf, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("the sun rose over the sea and the cat sat on the mat. " * 60)
+    argv = ["eval", "passkey", "--model", tiny_gguf, "--haystack-file", str(text), "--context", "400", "--trials", "2",
+            "--kv-budget", "50%", "--attention-budget", "25%", "--mode", "masked", "--policy", "lru", "--page-size",
+            "8", "--stats", "--json"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    d = json.loads(captured.out.strip().splitlines()[-1])
+    assert d["method"]["policy"] == "lru" and d["method"]["mode"] == "masked"
+    stats = d["stats"]
+    assert stats["sessions"] == 2 and stats["decode_steps"] > 0 and stats["pages_per_tier"]["T3"] > 0
+    assert len(stats["resident_bytes_series"]) > 0 and stats["resident_bytes_series_stride"] >= 1
+    assert "tier metrics over 2 session(s)" in captured.err and "pages per tier" in captured.err  # formatted
+    # the attention budget (25% of the window, in pages) caps what a decode step attends, T0 included
+    assert main(argv[:-2] + ["--attention-budget", "1%", "--json"]) == 2
+    assert "cannot cover T0" in capsys.readouterr().err
+
+
+def test_offline_policy_is_refused(tiny_gguf, capsys):
+    assert main(["generate", "--model", tiny_gguf, "--prompt", "the cat " * 40, "--kv-budget", "60%", "--policy",
+                 "belady", "--page-size", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "offline oracle" in err and "Traceback" not in err

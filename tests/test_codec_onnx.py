@@ -22,6 +22,7 @@ def groups(kind: str, n: int, g: int) -> torch.Tensor:
         x[0] = 0.0  # a zero group
         x[1] *= 1e-6  # tiny (bfloat16 scales keep them)
         x[2] = 6e4 * torch.sign(x[2])  # near fp16 max
+        x[7] = x[7] * 1e5  # beyond fp16: zero points saturate
         x[3, 1], x[4, 2], x[4, 3] = float("nan"), float("inf"), float("-inf")
         x[5] = 1e-40  # float32 subnormals
         x[6] = 0.0

@@ -249,3 +249,24 @@ def test_cli_eval_perplexity_with_engine_equals_the_model(built, tmp_path, capsy
         assert main(common + extra) == 0
         values.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["perplexity"])
     assert values[0] == pytest.approx(values[1], rel=1e-5)
+
+
+def test_cli_eval_passkey_with_engine_equals_the_model(built, tmp_path, capsys):
+    """`eval passkey --engine` under a budget: the same answers and key log-probs as the model;
+    a --kv-config file without page_size runs at the engine's page size."""
+    from tieredkv.cli import main
+
+    text = tmp_path / "hay.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    kv = tmp_path / "kv.toml"
+    kv.write_text('mode = "exact"\ndevice_budget = "50%"\n')
+    common = ["eval", "passkey", "--haystack-file", str(text), "--context", "300", "--trials", "2", "--json"]
+    results = []
+    for extra in (["--engine", str(built[1]), "--kv-config", str(kv)],
+                  ["--model", str(built[0]), "--page-size", str(PAGE), "--kv-config", str(kv)]):
+        assert main(common + extra) == 0
+        d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        results.append(([r["answer"] for r in d["results"]], [r["logprob"] for r in d["results"]], d["stats"]))
+    assert results[0][0] == results[1][0]
+    assert results[0][1] == pytest.approx(results[1][1], abs=1e-3)
+    assert results[0][2]["misses"] == results[1][2]["misses"] > 0

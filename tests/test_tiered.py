@@ -115,6 +115,69 @@ def test_tier_moves_are_bit_exact(tmp_path):
     assert mgr.device.used().sum() == 0 and mgr.host.used().sum() == 0 and mgr.disk.used().sum() == 0
 
 
+@settings(max_examples=30, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), page=st.sampled_from([3, 8]),
+       layers=st.integers(1, 3), kvh=st.integers(1, 2), head_dim=st.sampled_from([4, 5]),
+       pages=st.integers(4, 24), device=st.integers(8, 12), host=st.integers(1, 6), seed=st.integers(0, 99))
+def test_tier_moves_are_bit_exact_property(dtype, page, layers, kvh, head_dim, pages, device, host, seed):
+    """Random pages (random bit patterns of the storage dtype, NaN payloads aside) written into the
+    device pool move device -> host -> disk under small budgets, some come back to the device, and
+    every page of every layer reads back bit-identical from wherever it lives."""
+    import tempfile
+
+    from tieredkv.runtime.tiered.config import ResolvedBudgets
+    from tieredkv.runtime.tiered.manager import StepAccess, TierManager
+    from tieredkv.runtime.tiered.policies import make_policy
+
+    cfg = TieredKVConfig(page_size=page, sink_tokens=1, recent_tokens=1, staging_pages=1, policy="lru",
+                         disk_path=tempfile.mkdtemp() + "/t4.bin")
+    budgets = ResolvedBudgets(device_pages=device, host_pages=host, attention_pages=None, hot_key_pages=0,
+                              staging_pages=1)
+    mgr = TierManager(num_layers=layers, kv_heads=kvh, head_dim=head_dim, dtype=dtype, config=cfg, budgets=budgets,
+                      policy=make_policy("lru"))
+    gen = torch.Generator().manual_seed(seed)
+    bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[dtype]
+    info = torch.iinfo(bits)
+
+    def random_page():
+        x = torch.randint(info.min, info.max, (2, kvh, page, head_dim), generator=gen, dtype=torch.int64)
+        x = x.to(bits).view(dtype)
+        return torch.where(torch.isnan(x), torch.zeros_like(x), x)  # NaN payloads need not survive casts
+
+    mgr.add_sequence(0)
+    want = {}
+    for i in range(pages):
+        mgr.begin_step((0,), page)  # one full page per step
+        rec = mgr.seq_pages[0][-1]
+        for layer in range(layers):
+            x = random_page()
+            slot = mgr.dev_slot[layer, rec]
+            mgr.device.k[layer, slot], mgr.device.v[layer, slot] = x[0], x[1]
+            want[layer, rec] = x
+        R = mgr.R
+        z = torch.zeros(layers, R, dtype=torch.bool)
+        mgr.end_step(StepAccess(z, z.clone(), z.clone(), torch.zeros(layers, R), torch.rand(layers, R, generator=gen),
+                                z.clone()), decode=False)
+        mgr.check_invariants()
+    recs = torch.tensor(mgr.seq_pages[0])
+    assert mgr.metrics.spilled_pages > 0 or pages <= device - 1 + host  # the disk tier was used when it had to be
+    # bring a few pages back: admit into room made by the policy (exact copies from host or disk)
+    back = (mgr.dev_slot[:, recs] < 0)
+    if back.any():
+        room = mgr._make_room(back.sum(1).clamp(max=2), protect=None)
+        layers_b, cols = mgr._highest(back, torch.rand(layers, len(recs), generator=gen), room)  # cols index recs
+        mgr.admit(layers_b, recs[cols])
+        mgr.check_invariants()
+        assert len(cols) > 0
+    for (layer, rec), x in want.items():
+        lr = torch.tensor([layer]), torch.tensor([rec])
+        if mgr.dev_slot[layer, rec] >= 0:
+            k, v = mgr.device.read(lr[0], mgr.dev_slot[lr])
+        else:
+            k, v = mgr._source_read(*lr)
+        assert torch.equal(k[0].view(bits), x[0].view(bits)) and torch.equal(v[0].view(bits), x[1].view(bits))
+
+
 def test_host_overflow_without_disk_is_a_typed_error():
     with pytest.raises(ConfigError, match="disk_path"):
         resolve_budgets(TieredKVConfig(device_budget=96, host_budget=64, **SMALL), num_layers=2,
@@ -152,20 +215,24 @@ work = st.lists(st.one_of(
 ), min_size=1, max_size=10)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(ops=work, policy=st.sampled_from(LIVE_POLICIES), mode=st.sampled_from(["exact", "masked"]),
-       budget=st.sampled_from([None, 160, 240]), attention=st.sampled_from([None, 48, 10**6]),
-       warm=st.sampled_from([None, "int4", "fp8-r2"]))
-def test_property_invariants(ops, policy, mode, budget, attention, warm):
+       budget=st.sampled_from([None, 48, 96, 240]), attention=st.sampled_from([None, 48, 10**6]),
+       warm=st.sampled_from([None, "int4", "fp8-r2"]), host=st.sampled_from([None, 12]))
+def test_property_invariants(ops, policy, mode, budget, attention, warm, host):
     """Random add / decode / free / cancel: after every step no page is lost or duplicated,
-    capacities hold (the warm sub-tier's encoded bytes included), accounting balances;
-    freed sequences return every slot and record."""
+    capacities hold (the warm sub-tier's encoded bytes included), accounting balances (tier
+    counts cover the live pages, counted moves balance the pools); freed sequences return
+    every slot and record. ``host``: a host budget of 12 pages per sequence with a T4 file."""
+    import tempfile
+
+    disk = tempfile.mkdtemp() + "/t4.bin" if host else None
     cfg = TieredKVConfig(policy=policy, mode=mode, device_budget=budget, attention_budget=attention,
-                         warm_codec=warm, **SMALL)
+                         warm_codec=warm, host_budget=host and host * SMALL["page_size"], disk_path=disk, **SMALL)
     try:
         cache = TieredKVCache(MODEL.kv_spec(), cfg, num_sequences=2)
     except ConfigError:
-        return  # attention budget below T0: rejected up front, as it should be
+        return  # attention budget below T0, device budget below the hot window: rejected up front
     live: list[tuple[int, int]] = []  # (seq id, next position)
     gen = torch.Generator().manual_seed(0)
     for op in ops:
@@ -201,6 +268,7 @@ def test_property_invariants(ops, policy, mode, budget, attention, warm):
     mgr = cache.mgr
     assert int(mgr.device.used().sum()) == 0 and int(mgr.host.used().sum()) == 0
     assert mgr.warm is None or int(mgr.warm.used().sum()) == 0
+    assert mgr.disk is None or int(mgr.disk.used().sum()) == 0
     assert len(mgr.free_records) == mgr.R and not mgr.alive.any()
 
 
@@ -230,10 +298,32 @@ def test_bad_budgets(bad):
     (dict(warm_codec="zstd"), "unknown warm_codec 'zstd'"),
     (dict(warm_fraction=0.0), "warm_fraction"),
     (dict(kv_dtype="int8"), "kv_dtype"),
+    (dict(score_weights=0.5), "score_weights must be a list of 3 numbers"),
+    (dict(selection_weights=(1.0, 0.0)), "selection_weights must be a list of 3 numbers"),
+    (dict(policy=["lru"]), "policy must be a string"),
+    (dict(warm_fraction="half"), "warm_fraction must be a number"),
+    (dict(disk_path=3), "disk_path must be a string"),
 ])
 def test_bad_config_values(bad, match):
     with pytest.raises(ConfigError, match=match):
         TieredKVConfig(**bad)
+
+
+def test_offline_policies_are_refused_by_a_live_cache():
+    with pytest.raises(ConfigError, match="offline oracle"):
+        TieredKVCache(MODEL.kv_spec(), TieredKVConfig(policy="belady", device_budget=96, **SMALL))
+
+
+def test_tier_figures_survive_freeing_the_sequences():
+    """Pages per tier, bytes per tier and bytes saved are the figures at the end of the last
+    step, not zeros after generation freed the sequences."""
+    cache = TieredKVCache(MODEL.kv_spec(), TieredKVConfig(device_budget=96, warm_codec="int4", warm_fraction=0.5,
+                                                          **SMALL), num_sequences=2)
+    run(cache)
+    m = cache.metrics
+    assert not cache.mgr.alive.any()
+    assert sum(m.pages_per_tier.values()) > 0 and m.pages_per_tier["T2w"] > 0 and m.warm_bytes_saved > 0
+    assert m.bytes_per_tier["T3"] == m.pages_per_tier["T3"] * cache.mgr.page_bytes
 
 
 def test_budget_too_small_for_the_hot_window():
@@ -259,6 +349,12 @@ def test_config_files(tmp_path):
         TieredKVConfig.from_file(yml)
     with pytest.raises(DataFileError):
         TieredKVConfig.from_file(tmp_path / "missing.toml")
+    toml.write_text("tiered_kv = 3\n")
+    with pytest.raises(ConfigError, match="tiered_kv must be a table"):
+        TieredKVConfig.from_file(toml)
+    toml.write_text('policy = ["lru"]\n')
+    with pytest.raises(ConfigError, match=f"{toml}: policy must be a string"):
+        TieredKVConfig.from_file(toml)
 
 
 def test_exact_mode_output_does_not_depend_on_the_policy():

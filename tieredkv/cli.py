@@ -75,8 +75,8 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mode", default=None, choices=["exact", "masked"],
                    help="exact: fetch a needed non-resident page before use; masked: skip it and count the miss")
     g.add_argument("--warm-codec", default=None,
-                   help="compress cold device pages with this KV codec (fp8, fp8-r2, int6-r2, int4, int2, "
-                        "fp8-r2-delta; docs/codec.md) in a warm share of the device budget")
+                   help="compress cold device pages with this KV codec (fp8, fp8-r2, int6-r2, int4, int4-g16, "
+                        "int2, fp8-r2-delta; docs/codec.md) in a warm share of the device budget")
     g.add_argument("--warm-fraction", type=float, default=None,
                    help="share of the device budget beyond T0 that holds compressed pages (default 0.5)")
     g.add_argument("--kv-dtype", default=None, choices=["float32", "float16", "bfloat16"],
@@ -96,11 +96,12 @@ def _kv_config(args: argparse.Namespace, loaded=None):
     engine = getattr(loaded.model, "engine", None) if loaded is not None else None
     if engine is None and args.kv_config is None and not args.stats and all(v is None for v in flags.values()):
         return None
-    base = TieredKVConfig.from_file(args.kv_config) if args.kv_config else TieredKVConfig()
+    settings = TieredKVConfig.read_settings(args.kv_config) if args.kv_config else {}
+    base = TieredKVConfig.from_mapping(settings, source=args.kv_config) if args.kv_config else TieredKVConfig()
     overrides = {k: v for k, v in flags.items() if v is not None}
     if args.page_size is not None:
         overrides["page_size"] = args.page_size
-    elif engine is not None and not args.kv_config:
+    elif engine is not None and "page_size" not in settings:  # an engine runs at the page size it was built for
         overrides["page_size"] = engine.page_size
     return base.replace(**overrides)
 
@@ -243,11 +244,13 @@ def _eval_setup(args: argparse.Namespace, text_file: str | None):
     return loaded, ids, _eval_method(loaded, args)
 
 
-def _eval_report(args: argparse.Namespace, res, summary: str, payload: dict[str, Any]) -> bool:
-    """Log the summary (and the tier metrics with --stats); with --json emit the payload.
-    Returns whether the caller should still print its plain-text result."""
-    if args.stats and res.stats:
-        _log(json.dumps(res.stats))
+def _eval_report(args: argparse.Namespace, res, summary: str, payload: dict[str, Any], method) -> bool:
+    """Log the summary (and the tier metrics with --stats, formatted as generate prints them,
+    over every session of the evaluation); with --json emit the payload. Returns whether the
+    caller should still print its plain-text result."""
+    totals = getattr(method, "totals", None)
+    if args.stats and totals is not None:
+        _log(f"tier metrics over {method.sessions} session(s):\n{totals.format()}")
     _log(summary)
     if args.json:
         _emit_json({**payload, **res.to_dict()})
@@ -262,7 +265,8 @@ def cmd_eval_perplexity(args: argparse.Namespace) -> int:
                      context_fraction=args.context_fraction)
     if _eval_report(args, res, f"perplexity {res.perplexity:.4f} over {res.tokens_scored} tokens in {res.windows} "
                     f"window(s) of {res.window} ({res.seconds:.1f}s)",
-                    {"command": "eval perplexity", "model": str(loaded.source), "text": args.text_file or "pg-essays"}):
+                    {"command": "eval perplexity", "model": str(loaded.source), "text": args.text_file or "pg-essays"},
+                    method):
         print(f"{res.perplexity:.4f}")
     return 0
 
@@ -280,7 +284,7 @@ def cmd_eval_passkey(args: argparse.Namespace) -> int:
     if _eval_report(args, res, f"passkey@{res.context}: accuracy {res.accuracy:.2f} ({hits}/{res.trials}), mean "
                     f"log-prob of the key {res.mean_logprob:.3f} nats ({res.seconds:.1f}s)",
                     {"command": "eval passkey", "model": str(loaded.source),
-                     "haystack": args.haystack_file or "pg-essays"}):
+                     "haystack": args.haystack_file or "pg-essays"}, method):
         for r in res.results:
             print(f"depth {r.depth:.2f}  key {r.key}  {'OK ' if r.correct else 'MISS'}  logprob {r.logprob:8.3f}  "
                   f"answer {r.answer!r}")

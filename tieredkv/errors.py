@@ -51,3 +51,8 @@ class KVCacheFullError(TieredKVError):
 
 class DataFileError(TieredKVError):
     """An input data file (evaluation text, haystack, config file) is missing or unreadable."""
+
+
+class EngineBuildError(TieredKVError):
+    """An engine cannot be built as asked: bad build options, an output that exists (without
+    --force) or cannot be written, a missing plugin library or plugin creator."""

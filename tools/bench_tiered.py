@@ -1,15 +1,20 @@
 """Benchmarks of the tiered cache's mechanisms (quality lives in tools/eval/).
 
-    python tools/bench_tiered.py hitrate  [--budgets 0.5 0.25 0.125] [--windows 1] [--out results/hitrate]
+    python tools/bench_tiered.py hitrate  [--budgets 0.5 0.25 0.125] [--attention-ratios 1 0.5] [--windows 1]
+                                          [--out results/hitrate]
     python tools/bench_tiered.py overhead [--preset llama2-70b] [--context 32768] [--steps 50] [--out results/overhead]
 
 hitrate: records SmolLM2 access traces in exact mode (the perplexity protocol: a 4096
 window, the first 3/4 as context, the last 1/4 teacher-forced one token per step; device
-budget b of the window, attention budget = what fits), then replays each trace through
-every replacement policy and Belady's MIN oracle. In exact mode the needed pages do not
-depend on the policy, so all policies see the same trace. Reports device hit rates,
-bytes moved and the hit rate as % of Belady, and lfu-importance vs LFU (the design
-note claims +14%).
+budget b of the window, attention budget r * b for each ``--attention-ratios`` r, 1 = what
+fits), then replays each trace through every replacement policy and Belady's MIN oracle,
+with the design note's migration thresholds and without them (demand paging only). In
+exact mode the needed pages do not depend on the policy, so all policies see the same
+trace. Reports device hit rates, bytes moved and the hit rate as % of Belady without
+migration (the upper bound of demand paging), and lfu-importance vs LFU (the design note
+claims +14%). With r = 1 a step needs about as many pages as fit, so the victim order
+hardly matters; with r < 1 the device holds more than a step attends, which is where a
+replacement policy can earn its keep.
 
 overhead: CPU time of (a) the importance scorer + top-k selection for one layer and one
 decode step, (b) the tier manager's per-step decisions (statistics, migration windows,
@@ -53,8 +58,11 @@ def cmd_hitrate(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for budget in args.budgets:
-        cfg = TieredKVConfig(device_budget=f"{100 * budget:g}%", mode="exact", policy="lfu-importance")
+    combos = [(b, r) for b in args.budgets for r in args.attention_ratios]
+    for budget, ratio in combos:
+        attention = None if ratio >= 1 else f"{100 * budget * ratio:g}%"
+        cfg = TieredKVConfig(device_budget=f"{100 * budget:g}%", attention_budget=attention, mode="exact",
+                             policy="lfu-importance")
         for w in range(args.windows):
             window = ids[w * W : (w + 1) * W]
             rec = TraceRecorder()
@@ -65,49 +73,45 @@ def cmd_hitrate(args: argparse.Namespace) -> int:
             session.logprobs(window[ctx:])
             session.close()
             trace = rec.trace
-            trace.save(out / f"trace_b{budget:g}_w{w}.pt")
-            print(f"budget {budget:g} window {w}: traced {len(trace.steps)} steps in {time.perf_counter() - t0:.0f}s",
-                  file=sys.stderr)
+            trace.save(out / f"trace_b{budget:g}_r{ratio:g}_w{w}.pt")
+            print(f"budget {budget:g} attention ratio {ratio:g} window {w}: traced {len(trace.steps)} steps in "
+                  f"{time.perf_counter() - t0:.0f}s", file=sys.stderr)
+            no_migration = dict(demote_score=0.0, demote_idle_windows=10**6)
             for name in sorted(POLICIES):
                 if name == "full":
                     continue
-                m = replay(trace, cfg.replace(policy=name), token_bytes_per_layer=spec.token_bytes_per_layer,
-                           full_tokens=W)
-                rows.append({"budget": budget, "window": w, "policy": name, "hits": m.hits, "misses": m.misses,
-                             "hit_rate": m.hit_rate, "bytes_h2d": m.bytes_h2d, "bytes_d2h": m.bytes_d2h,
-                             "fetched": m.fetched_pages, "evicted": m.evicted_pages})
-            # the same trace without the design note's migration thresholds (demand paging only)
-            for name in ("lfu", "lfu-importance"):
-                m = replay(trace, cfg.replace(policy=name, demote_score=0.0, demote_idle_windows=10**6),
-                           token_bytes_per_layer=spec.token_bytes_per_layer, full_tokens=W)
-                rows.append({"budget": budget, "window": w, "policy": f"{name} (no migration)", "hits": m.hits,
-                             "misses": m.misses, "hit_rate": m.hit_rate, "bytes_h2d": m.bytes_h2d,
-                             "bytes_d2h": m.bytes_d2h, "fetched": m.fetched_pages, "evicted": m.evicted_pages})
+                for label, extra in (("", {}), (" (no migration)", no_migration)):
+                    m = replay(trace, cfg.replace(policy=name, **extra),
+                               token_bytes_per_layer=spec.token_bytes_per_layer, full_tokens=W)
+                    rows.append({"budget": budget, "ratio": ratio, "window": w, "policy": name + label,
+                                 "hits": m.hits, "misses": m.misses, "hit_rate": m.hit_rate, "bytes_h2d": m.bytes_h2d,
+                                 "bytes_d2h": m.bytes_d2h, "fetched": m.fetched_pages, "evicted": m.evicted_pages})
     # aggregate over windows
-    agg: dict[tuple[float, str], dict] = {}
+    agg: dict[tuple[float, float, str], dict] = {}
     for r in rows:
-        a = agg.setdefault((r["budget"], r["policy"]), {"hits": 0, "misses": 0, "bytes_h2d": 0, "bytes_d2h": 0})
+        a = agg.setdefault((r["budget"], r["ratio"], r["policy"]), {"hits": 0, "misses": 0, "bytes_h2d": 0,
+                                                                     "bytes_d2h": 0})
         for k in ("hits", "misses", "bytes_h2d", "bytes_d2h"):
             a[k] += r[k]
     cmd = " ".join(["python"] + sys.argv)
     lines = [f"SmolLM2-135M, {args.windows} window(s) of {W} tokens of the Paul Graham essays, context {ctx} "
-             f"tokens then {W - ctx} teacher-forced decode steps; exact mode, attention budget = resident capacity; "
+             f"tokens then {W - ctx} teacher-forced decode steps; exact mode; attention budget = ratio x device "
+             f"budget (1: what fits); % of Belady = of Belady without migration (demand paging's upper bound); "
              f"`{cmd}`", "",
-             "| budget | policy | hit rate | % of Belady | host->device MiB | device->host MiB |",
-             "|---:|---|---:|---:|---:|---:|"]
-    for budget in args.budgets:
-        best = agg[(budget, "belady")]
-        best_rate = best["hits"] / max(1, best["hits"] + best["misses"])
-        for (b, name), a in sorted(agg.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-            if b != budget:
+             "| device budget | attention / device | policy | hit rate | % of Belady | host->device MiB | "
+             "device->host MiB |", "|---:|---:|---|---:|---:|---:|---:|"]
+    rate = lambda a: a["hits"] / max(1, a["hits"] + a["misses"])  # noqa: E731
+    for budget, ratio in combos:
+        best_rate = rate(agg[(budget, ratio, "belady (no migration)")])
+        for (b, r, name), a in sorted(agg.items()):
+            if (b, r) != (budget, ratio):
                 continue
-            rate = a["hits"] / max(1, a["hits"] + a["misses"])
-            lines.append(f"| {100 * b:g}% | {name} | {rate:.4f} | {100 * rate / best_rate:.1f} | "
+            lines.append(f"| {100 * b:g}% | {r:g} | {name} | {rate(a):.4f} | {100 * rate(a) / best_rate:.1f} | "
                          f"{a['bytes_h2d'] / 2**20:.1f} | {a['bytes_d2h'] / 2**20:.1f} |")
-        lf, li = agg[(budget, "lfu")], agg[(budget, "lfu-importance")]
-        r_lf = lf["hits"] / max(1, lf["hits"] + lf["misses"])
-        r_li = li["hits"] / max(1, li["hits"] + li["misses"])
-        lines.append(f"| {100 * budget:g}% | **lfu-importance vs lfu** | {100 * (r_li / r_lf - 1):+.2f}% relative | | | |")
+        for label in ("", " (no migration)"):
+            r_lf, r_li = rate(agg[(budget, ratio, "lfu" + label)]), rate(agg[(budget, ratio, "lfu-importance" + label)])
+            lines.append(f"| {100 * budget:g}% | {ratio:g} | **lfu-importance vs lfu{label}** | "
+                         f"{100 * (r_li / r_lf - 1):+.2f}% relative | | | |")
     (out / "hitrate.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1))
     (out / "hitrate.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -206,6 +210,8 @@ def main() -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     h = sub.add_parser("hitrate")
     h.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.125])
+    h.add_argument("--attention-ratios", type=float, nargs="+", default=[1.0, 0.5],
+                   help="attention budget as a share of the device budget (1: what fits)")
     h.add_argument("--windows", type=int, default=1)
     h.add_argument("--window", type=int, default=4096)
     h.add_argument("--out", default="results/hitrate")

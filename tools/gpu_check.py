@@ -383,8 +383,9 @@ def codec_pages(gen: torch.Generator, n: int, shape: tuple[int, int, int], kind:
     """Pages [n, KVH, P, D] float32 (CPU) to encode.
 
     * ``random``: normal * 3;
-    * ``edge``: each token row (n, h, t) one of: zeros, ~1e-6, ~±6e4, subnormals ~1e-40, normal * 3
-      (row kind (n + t) % 5; with n > 1 page 0 is all zeros), then NaN and +Inf at a few positions
+    * ``edge``: each token row (n, h, t) one of: zeros, ~1e-6, ~±6e4, subnormals ~1e-40, normal * 3,
+      normal * 1e5 (beyond float16: zero points and keyframes saturate) (row kind (n + t) % 6; with
+      n > 1 page 0 is all zeros), then NaN and +Inf at a few positions
       anywhere and -Inf at a few positions of non-zero rows;
     * ``signed zeros``: ``edge`` plus -0.0 and -Inf inside zero rows: groups whose sanitized
       values are zeros of both signs (the asymmetric codecs store their minimum, +0 or -0 by
@@ -398,8 +399,8 @@ def codec_pages(gen: torch.Generator, n: int, shape: tuple[int, int, int], kind:
     sign = torch.where(torch.rand(n, kvh, p, d, generator=gen) < 0.5, -1.0, 1.0)
     normal = torch.randn(n, kvh, p, d, generator=gen)
     by_kind = [torch.zeros(n, kvh, p, d), normal * 1e-6, sign * 6e4 * (1 + 0.03 * normal), normal * 1e-40,
-               normal * 3]
-    row_kind = (torch.arange(n).view(n, 1, 1, 1) + torch.arange(p).view(1, 1, p, 1)) % 5
+               normal * 3, normal * 1e5]
+    row_kind = (torch.arange(n).view(n, 1, 1, 1) + torch.arange(p).view(1, 1, p, 1)) % len(by_kind)
     if n > 1:
         row_kind = torch.where(torch.arange(n).view(n, 1, 1, 1) == 0, 0, row_kind)
     row_kind = row_kind.expand(n, kvh, p, d)

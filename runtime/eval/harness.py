@@ -115,6 +115,7 @@ class _CacheSession(EvalSession):
         metrics = getattr(self.cache, "metrics", None)
         if metrics is not None:
             self.m.collect(metrics)
+        self.cache.close()
 
 
 class CacheMethod(EvalMethod):

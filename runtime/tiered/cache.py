@@ -52,6 +52,10 @@ class TieredKVCache(KVCache):
                                        full_tokens=full_tokens, num_sequences=num_sequences,
                                        warm_page_bytes=warm_bytes)
         self.policy = make_policy(config.policy, lfu_importance_weights=config.lfu_importance_weights)
+        if self.policy.needs_trace:
+            raise ConfigError(f"policy {config.policy!r} is an offline oracle: it needs the future accesses of a "
+                              "recorded trace (tools/bench_tiered.py hitrate replays one); a live cache cannot run "
+                              "it. Use lru, lfu, lfu-importance, h2o, streaming or full")
         self.scorer = scorer or ImportanceScorer.for_model(spec.num_layers, spec.head_dim, path=config.scorer_weights,
                                                            weights=config.score_weights)
         self.scorer.weights = config.score_weights
@@ -60,6 +64,7 @@ class TieredKVCache(KVCache):
                                dtype=spec.dtype, config=config, budgets=self.budgets, policy=self.policy,
                                device=device)
         self.recorder = recorder
+        self._snapshot_steps = -1
         self._next_id = 0
         self._access: StepAccess | None = None
         self._step_ctx: list[dict] = []
@@ -67,7 +72,17 @@ class TieredKVCache(KVCache):
     # ------------------------------------------------------------------ sequences
     @property
     def metrics(self) -> TierMetrics:
-        return self.mgr.refresh_metrics()
+        """The counters. The point-in-time figures (pages and bytes per tier, bytes saved) are
+        those at the end of the last step: freeing sequences afterwards does not zero them."""
+        self._snapshot()
+        return self.mgr.metrics
+
+    def _snapshot(self) -> None:
+        m = self.mgr.metrics
+        steps = m.decode_steps + m.prefill_steps
+        if steps != self._snapshot_steps:
+            self.mgr.refresh_metrics()
+            self._snapshot_steps = steps
 
     def add_sequence(self) -> int:
         sid = self._next_id
@@ -76,8 +91,15 @@ class TieredKVCache(KVCache):
         return sid
 
     def free_sequence(self, seq_id: int) -> None:
-        self.mgr.refresh_metrics()  # keep the last figures of the sequence's pages
+        self._snapshot()  # keep the figures of the last step
         self.mgr.free_sequence(seq_id)
+
+    def close(self) -> None:
+        """Free every sequence left and remove the T4 file (disk_path); the metrics stay."""
+        for sid in list(self.mgr.seq_pages):
+            self.free_sequence(sid)
+        if self.mgr.disk is not None:
+            self.mgr.disk.close()
 
     def length(self, seq_id: int) -> int:
         return self.mgr.seq_len[seq_id]

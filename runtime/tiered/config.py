@@ -137,6 +137,25 @@ class TieredKVConfig:
     kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("policy", "mode"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
+        for name in ("disk_path", "scorer_weights", "warm_codec", "kv_dtype"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), (str, Path)):
+                raise ConfigError(f"{name} must be a string or unset, got {getattr(self, name)!r}")
+        for name, n in (("score_weights", 3), ("selection_weights", 3), ("lfu_importance_weights", 2)):
+            v = getattr(self, name)
+            try:
+                w = tuple(float(x) for x in v)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{name} must be a list of {n} numbers, got {v!r}") from None
+            if len(w) != n or any(isinstance(x, bool) for x in v):
+                raise ConfigError(f"{name} must be a list of {n} numbers, got {v!r}")
+            object.__setattr__(self, name, w)
+        for name in ("promote_score", "demote_score", "hot_key_fraction", "warm_fraction"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ConfigError(f"{name} must be a number, got {v!r}")
         for name in ("page_size", "staging_pages", "window_steps", "promote_accesses", "demote_idle_windows"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -152,13 +171,11 @@ class TieredKVConfig:
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; expected one of {sorted(POLICIES)}")
         for name in ("score_weights", "selection_weights"):
-            w = tuple(float(x) for x in getattr(self, name))
-            object.__setattr__(self, name, w)
-            if len(w) != 3 or any(x < 0 for x in w) or not math.isclose(sum(w), 1.0, abs_tol=1e-6):
+            w = getattr(self, name)
+            if any(x < 0 for x in w) or not math.isclose(sum(w), 1.0, abs_tol=1e-6):
                 raise ConfigError(f"{name} must be 3 non-negative numbers summing to 1 (relevance, position, "
                                   f"saliency), got {w}")
-        object.__setattr__(self, "lfu_importance_weights", tuple(float(w) for w in self.lfu_importance_weights))
-        if len(self.lfu_importance_weights) != 2 or any(w < 0 for w in self.lfu_importance_weights):
+        if any(w < 0 for w in self.lfu_importance_weights):
             raise ConfigError(f"lfu_importance_weights must be 2 non-negative numbers, got {self.lfu_importance_weights}")
         for name in ("promote_score", "demote_score", "hot_key_fraction"):
             v = getattr(self, name)
@@ -190,7 +207,10 @@ class TieredKVConfig:
     # ------------------------------------------------------------------ files
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "config") -> "TieredKVConfig":
-        data = dict(data.get("tiered_kv", data))  # allow a [tiered_kv] table / key
+        data = data.get("tiered_kv", data)  # allow a [tiered_kv] table / key
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: tiered_kv must be a table of settings, got {data!r}")
+        data = dict(data)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -206,6 +226,12 @@ class TieredKVConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> "TieredKVConfig":
         """Load from TOML (``.toml``) or YAML (``.yaml``/``.yml``)."""
+        return cls.from_mapping(cls.read_settings(path), source=str(path))
+
+    @staticmethod
+    def read_settings(path: str | Path) -> dict:
+        """The settings a TOML / YAML file holds (the ``[tiered_kv]`` table when there is one),
+        unchecked; typed errors for a missing, unparsable or non-mapping file."""
         p = Path(path)
         if not p.is_file():
             raise DataFileError(f"{p}: KV config file not found")
@@ -225,7 +251,10 @@ class TieredKVConfig:
             raise ConfigError(f"{p}: cannot parse ({exc})") from exc
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: expected a mapping of settings at the top level")
-        return cls.from_mapping(data, source=str(p))
+        inner = data.get("tiered_kv", data)
+        if not isinstance(inner, Mapping):
+            raise ConfigError(f"{p}: tiered_kv must be a table of settings, got {inner!r}")
+        return dict(inner)
 
 
 def yaml_error() -> type[Exception]:

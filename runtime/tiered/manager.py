@@ -28,6 +28,9 @@ Invariants (the property tests check them after every step):
   * a page is never both full-precision and warm on the device;
   * slot tables and pool owners are each other's inverse; no slot holds two pages;
   * device-owned pages per layer <= resident capacity; host pages <= host budget;
+  * every live page of every layer is counted in exactly one tier, and the counted moves
+    balance the pools: device slots = created + fetched - evicted - released, warm slots =
+    compressed - warm promotions - warm drops - released;
   * freeing a sequence returns all of its slots and records.
 """
 
@@ -85,6 +88,7 @@ class TierManager:
         self.metrics = TierMetrics()
         self.step_no = 0  # decode steps so far (the clock of recency statistics)
         self.next_use_fn = None  # set by the trace replayer for the Belady oracle
+        self._restored = False  # a rollback happened (the move counters no longer balance the pools)
         # records
         self.R = 0
         self.free_records: list[int] = []
@@ -180,6 +184,10 @@ class TierManager:
             layers, cols = (sub >= 0).nonzero(as_tuple=True)
             pool.release(layers, sub[layers, cols])
             table[:, recs] = -1
+            if pool is self.device:
+                self.metrics.released_pages += len(layers)
+            elif pool is self.warm:
+                self.metrics.released_warm_pages += len(layers)
         self.rec_seq[recs] = -1
         self.t1[:, recs] = False
         self.free_records.extend(recs.tolist())
@@ -237,6 +245,7 @@ class TierManager:
                     f"{len(new)} new page(s): every resident page is in T0 (sinks + recent window) of a live sequence. "
                     "Raise the device budget, lower recent_tokens, or run fewer sequences at once.")
             self.dev_slot[layers, cols] = slots
+            self.metrics.created_pages += len(layers)
         self.metrics.manager_seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ moves
@@ -329,19 +338,33 @@ class TierManager:
         self.metrics.evicted_pages += len(recs)
 
     def _write_back(self, layers: torch.Tensor, recs: torch.Tensor) -> None:
-        """Copy the dirty ones of these full-precision device pages to the host."""
+        """Copy the dirty ones of these full-precision device pages to the host; when more
+        leave at once than a bounded host tier can take, the rest go on to the disk tier."""
         dirty = (self.host_slot[layers, recs] < 0) & (self.disk_slot[layers, recs] < 0)
-        if dirty.any():
-            dl, dr = layers[dirty], recs[dirty]
-            leaving = torch.zeros(self.L, self.R, dtype=torch.bool)
-            leaving[layers, recs] = True
-            self._ensure_host_room(torch.bincount(dl, minlength=self.L), leaving)
-            hs = self.host.alloc(dl, dr)
-            k, v = self.device.read(dl, self.dev_slot[dl, dr])
-            self.host.write(dl, hs, k, v)
-            self.host_slot[dl, dr] = hs
-            self.metrics.writebacks += len(dr)
-            self.metrics.bytes_d2h += len(dr) * self.page_bytes
+        if not dirty.any():
+            return
+        dl, dr = layers[dirty], recs[dirty]
+        leaving = torch.zeros(self.L, self.R, dtype=torch.bool)
+        leaving[layers, recs] = True
+        self._ensure_host_room(torch.bincount(dl, minlength=self.L), leaving)
+        k, v = self.device.read(dl, self.dev_slot[dl, dr])
+        to_host = torch.ones(len(dr), dtype=torch.bool)
+        if self.host.max_capacity is not None:
+            rank, _ = _rank_within_groups(dl, self.L)
+            to_host = rank < self.host.free()[dl]
+        if to_host.any():
+            hs = self.host.alloc(dl[to_host], dr[to_host])
+            self.host.write(dl[to_host], hs, k[to_host], v[to_host])
+            self.host_slot[dl[to_host], dr[to_host]] = hs
+        if not to_host.all():  # _ensure_host_room guarantees a disk tier here
+            ol, orr = dl[~to_host], dr[~to_host]
+            ds = self.disk.alloc(ol, orr)
+            self.disk.write(ol, ds, k[~to_host], v[~to_host])
+            self.disk_slot[ol, orr] = ds
+            self.metrics.spilled_pages += len(orr)
+            self.metrics.bytes_disk_write += len(orr) * self.page_bytes
+        self.metrics.writebacks += len(dr)
+        self.metrics.bytes_d2h += len(dr) * self.page_bytes
 
     def demote(self, layers: torch.Tensor, recs: torch.Tensor, protect: torch.Tensor | None = None) -> None:
         """Full-precision device pages the policy let go: into the warm sub-tier when there is
@@ -579,6 +602,15 @@ class TierManager:
         assert ((self.dev_slot >= 0) | ~(live & self.rec_t0.unsqueeze(0))).all(), "a T0 page is not resident"
         if self.resident_cap is not None:
             assert int(self.device.used().max()) <= self.resident_cap, "device over the resident capacity"
+        counts = self.tier_counts()  # every live page of every layer is in exactly one tier
+        assert sum(counts.values()) == self.L * int(alive.sum()), f"tier counts {counts} do not cover the live pages"
+        if not self._restored:  # the move counters balance the pools (a rollback restores pools, not counters)
+            m = self.metrics
+            dev = m.created_pages + m.fetched_pages - m.evicted_pages - m.released_pages
+            assert int(self.device.used().sum()) == dev, "device slots do not balance the counted moves"
+            if self.warm is not None:
+                warm = m.compressed_pages - m.warm_promotions - m.warm_drops - m.released_warm_pages
+                assert int(self.warm.used().sum()) == warm, "warm slots do not balance the counted moves"
         listed = sorted(r for pages in self.seq_pages.values() for r in pages)
         assert listed == sorted(alive.nonzero().flatten().tolist()), "records and sequences disagree"
         assert sorted(listed + self.free_records) == list(range(self.R)), "a record is lost or duplicated"
@@ -604,6 +636,7 @@ class TierManager:
         return state
 
     def rollback(self, state: dict) -> None:
+        self._restored = True
         for name in self._STATE:
             setattr(self, name, state[name].clone())
         self.R, self.step_no = state["R"], state["step_no"]

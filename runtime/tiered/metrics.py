@@ -24,6 +24,9 @@ class TierMetrics:
     masked: int = 0
     streamed_pages: int = 0  # pages copied into the staging area for one step (exact misses, prefill)
     staging_rounds: int = 0  # staging-area fills those copies took (at most staging_pages pages each)
+    created_pages: int = 0  # new pages given a device slot (the tokens of a step)
+    released_pages: int = 0  # full-precision device slots freed with their sequence (free, truncate)
+    released_warm_pages: int = 0  # warm slots freed with their sequence
     fetched_pages: int = 0  # pages admitted to the device (host -> device)
     evicted_pages: int = 0  # pages that left the device
     writebacks: int = 0  # dirty pages written to the host on eviction
@@ -56,14 +59,20 @@ class TierMetrics:
         total = self.hits + self.misses
         return self.hits / total if total else 1.0
 
+    #: at most this many points of the resident-bytes series go into to_dict() (every k-th step)
+    SERIES_POINTS = 256
+
     def to_dict(self, *, trace: bool = False) -> dict:
+        """Every counter; the resident bytes over time as their mean plus the series (every
+        step with ``trace``, else every ``resident_bytes_series_stride``-th step, at most
+        SERIES_POINTS points)."""
         d = asdict(self)
         d["hit_rate"] = round(self.hit_rate, 6)
         tr = d.pop("resident_bytes_trace")
-        if trace:
-            d["resident_bytes_trace"] = tr
-        else:
-            d["resident_bytes_mean"] = int(sum(tr) / len(tr)) if tr else 0
+        d["resident_bytes_mean"] = int(sum(tr) / len(tr)) if tr else 0
+        stride = 1 if trace else max(1, -(-len(tr) // self.SERIES_POINTS))
+        d["resident_bytes_series"] = tr[::stride]
+        d["resident_bytes_series_stride"] = stride
         steps = max(1, self.decode_steps)
         d["scorer_ms_per_decode_step"] = round(1000 * self.scorer_seconds / steps, 4)
         d["manager_ms_per_step"] = round(1000 * self.manager_seconds / max(1, self.decode_steps + self.prefill_steps), 4)

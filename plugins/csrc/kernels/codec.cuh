@@ -210,6 +210,8 @@ TKV_HD uint16_t half_bits(float x) {
     const __half_raw raw = __float2half_rn(x);
     return raw.x;
 }
+//! float16 bits of x saturated to +-65504 (zero points and keyframes: codec.FP16_MAX); x is finite.
+TKV_HD uint16_t half_bits_saturated(float x) { return half_bits(fminf(fmaxf(x, -65504.f), 65504.f)); }
 TKV_HD float half_value(uint16_t bits) {
     __half_raw raw;
     raw.x = bits;
@@ -434,7 +436,7 @@ TKV_HD void encode_group(const tkv_codec_desc_t& desc, int role, const float* x,
             if (k == 0 || s > hi) hi = s;
         }
         gp.scale = stored_scale(div_rn(sub_rn(hi, lo), static_cast<float>((1 << desc.bits) - 1)));
-        const uint16_t zero = half_bits(add_rn(lo, 0.f));  // -0 -> +0, as the reference
+        const uint16_t zero = half_bits_saturated(add_rn(lo, 0.f));  // -0 -> +0, saturated, as the reference
         gp.zero = half_value(zero);
         store_u16(section(desc, page, role, TKV_SECTION_ZERO) + 2 * g, zero);
     } else {
@@ -478,7 +480,7 @@ TKV_HD void encode_keyframe(const tkv_codec_desc_t& desc, int role, const float*
     const int64_t key = (i / desc.d) % desc.keyframes_per_page;
     const int64_t h = i / (desc.d * desc.keyframes_per_page);
     const float v = row_sanitized(desc, x, h, key * desc.keyframe, j);
-    store_u16(section(desc, page, role, TKV_SECTION_KEYFRAMES) + 2 * i, half_bits(v));
+    store_u16(section(desc, page, role, TKV_SECTION_KEYFRAMES) + 2 * i, half_bits_saturated(v));
 }
 
 //! Number of packed units / keyframe values of one role.
