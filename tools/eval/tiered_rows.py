@@ -29,7 +29,7 @@ WarmPool.memoize_decoded = True  # CPU evaluation aid: each warm page decoded on
 
 MASKED_POLICIES = ("lru", "lfu", "lfu-importance", "h2o", "streaming")
 #: (codec, warm_fraction) of the warm rows; the 0.75 rows are named without the fraction
-WARM_ROWS = (("int4", 0.75), ("fp8-r2", 0.75), ("int4", 1.0))
+WARM_ROWS = (("int4", 0.75), ("fp8-r2", 0.75), ("int6-r2", 0.75), ("int4-g16", 0.75), ("int4", 1.0))
 
 
 def _row(name: str, **cfg) -> Row:
