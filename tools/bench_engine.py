@@ -4,7 +4,11 @@ tiered runtime, same prompts, same budgets.
 
     python tools/bench_engine.py [--engine-dir results/engine_smollm2] [--rebuild]
         [--prompt-lens 512 2048] [--budgets full 25%] [--new-tokens 32] [--repeats 2]
-        [--threads 2] [--out results/engine_bench]
+        [--warm-codec int4 --warm-fraction 0.75] [--threads 2] [--out results/engine_bench]
+
+With ``--warm-codec`` the engine is built with that codec (its attention reads warm pages
+from their bytes) and the budgeted rows run with float16 pages and the warm sub-tier
+(``warm_fraction`` of the device bytes beyond T0 compressed).
 
 The engine is built with ``builder/build_engine.py --tiered-kv`` (its own timing, including
 the onnx checker and the ONNX Runtime verification, is read from config.json). Prompts are
@@ -45,6 +49,8 @@ def main() -> int:
     ap.add_argument("--budgets", nargs="+", default=["full", "25%"])
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--warm-codec", default=None, help="build the engine with this warm codec; budgeted rows use it")
+    ap.add_argument("--warm-fraction", type=float, default=0.75)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out", type=Path, default=Path("results/engine_bench"))
     args = ap.parse_args()
@@ -52,8 +58,13 @@ def main() -> int:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
 
     source = resolve_model(None, log=log)
-    if args.rebuild or not (args.engine_dir / "config.json").is_file():
+    built_codec = None
+    if (args.engine_dir / "config.json").is_file():
+        built_codec = json.loads((args.engine_dir / "config.json").read_text())["build"].get("warm_codec")
+    if args.rebuild or not (args.engine_dir / "config.json").is_file() or built_codec != args.warm_codec:
         argv = ["--tiered-kv", "--model", str(source), "--output", str(args.engine_dir), "--force"]
+        if args.warm_codec:
+            argv += ["--warm-codec", args.warm_codec]
         t0 = time.perf_counter()
         if build_engine.main(argv) != 0:
             return 1
@@ -71,7 +82,9 @@ def main() -> int:
     for plen in args.prompt_lens:
         prompt = [ids[5000 : 5000 + plen]]
         for budget in args.budgets:
-            kv = TieredKVConfig() if budget == "full" else TieredKVConfig(device_budget=budget, mode="exact")
+            warm = (dict(kv_dtype="float16", warm_codec=args.warm_codec, warm_fraction=args.warm_fraction)
+                    if args.warm_codec else {})
+            kv = TieredKVConfig() if budget == "full" else TieredKVConfig(device_budget=budget, mode="exact", **warm)
             tokens = {}
             for name, model in backends.items():
                 prefill, decode = [], []
@@ -96,7 +109,8 @@ def main() -> int:
               "threads": args.threads, "torch": torch.__version__, "build": build, "rows": rows}
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
     lines = [f"`{cmd}` — {date.today()}, {args.threads} thread(s), torch {torch.__version__}", "",
-             f"Engine build (SmolLM2, --tiered-kv, float32): {build['seconds']:.1f} s including the onnx checker and "
+             f"Engine build (SmolLM2, --tiered-kv{' --warm-codec ' + args.warm_codec if args.warm_codec else ''}, "
+             f"float32): {build['seconds']:.1f} s including the onnx checker and "
              f"the ONNX Runtime verification; {size / 2**20:.0f} MiB; max |logits error| "
              f"{build['verification_max_abs_error']['logits']:.2g}.", "",
              "| prompt | budget | backend | prefill tok/s | decode tok/s | same tokens |", "|---:|---|---|---:|---:|---|"]
