@@ -5,7 +5,8 @@ checked only when the ``TRT_INCLUDE_DIR`` environment variable names a directory
 ``NvInfer.h``; then a small C++ probe (compiled here against the same headers) loads it without
 TensorRT and checks each creator's name, version, namespace and attribute fields against the
 ONNX nodes of ``tieredkv.plugins.onnx_ops``, and the dtypes each plugin accepts (TieredAttention
-also with a warm codec: 10 inputs). The build is shared with test_cuda_codec.py (csrc_build).
+also with a warm codec: 10 inputs). The ctypes binding of the C ABI, ``tieredkv.plugins.cuda_ops``,
+is checked against the header. The build is shared with test_cuda_codec.py (csrc_build).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from csrc_build import SOURCE, build_plugins, load_gpu_check, needs_nvcc
+from csrc_build import SOURCE, build_plugins, needs_nvcc
 from csrc_build import run as _run
 from csrc_build import trt_include as _trt_include
+
+from tieredkv.plugins import cuda_ops
 
 C_ABI = ["tkv_tiered_attention", "tkv_tiered_attention_warm", "tkv_kv_append", "tkv_importance_score",
          "tkv_codec_desc", "tkv_codec_desc_sizeof", "tkv_encode_pages", "tkv_decode_pages", "tkv_encode_pages_host",
@@ -55,14 +58,13 @@ def _binds(c_param: str, argtype) -> bool:
     return _SCALARS.get(c_type) is argtype
 
 
-def test_gpu_check_binds_the_c_abi_with_the_header_signatures(build_dir):
-    """tools/gpu_check.py calls the kernels through ctypes: its argument lists must match the
-    C declarations in tieredkv_kernels.h (a mismatch only shows on the GPU machine): count, and
+def test_cuda_ops_binds_the_c_abi_with_the_header_signatures(build_dir):
+    """tieredkv.plugins.cuda_ops calls the kernels through ctypes: its argument lists must match
+    the C declarations in tieredkv_kernels.h (a mismatch only shows on the GPU machine): count, and
     per parameter a pointer for a pointer, the C scalar's ctypes type otherwise."""
     import re
 
-    gpu_check = load_gpu_check()
-    lib = gpu_check.load_library(build_dir / "libtieredkv_kernels.so")  # loads without a GPU
+    lib = cuda_ops.load_library(build_dir / "libtieredkv_kernels.so")  # loads without a GPU
     header = (SOURCE / "tieredkv_kernels.h").read_text()
     for name in C_ABI:
         params = re.search(rf"\b{name}\(([^)]*)\)", header).group(1)
@@ -71,7 +73,7 @@ def test_gpu_check_binds_the_c_abi_with_the_header_signatures(build_dir):
         assert len(argtypes) == len(params), name
         for c_param, argtype in zip(params, argtypes):
             assert _binds(c_param, argtype), (name, c_param, argtype)
-    assert lib.tkv_codec_desc_sizeof() == ctypes.sizeof(gpu_check.CodecDesc)
+    assert lib.tkv_codec_desc_sizeof() == ctypes.sizeof(cuda_ops.CodecDesc)
 
 
 def test_plugin_library_is_skipped_without_tensorrt_headers(build_dir):

@@ -2,7 +2,8 @@
 ``tieredkv.plugins.codec``, without a GPU.
 
 libtieredkv_kernels.so is built with CMake (shared with test_cuda_build.py) and loaded with
-ctypes through tools/gpu_check.py's bindings (loading needs no GPU). The descriptor must equal
+ctypes through ``tieredkv.plugins.cuda_ops`` (loading needs no GPU); the test pages come from
+tools/gpu_check.py's ``codec_pages``. The descriptor must equal
 ``codec.page_layout``; ``tkv_encode_pages_host`` / ``tkv_decode_pages_host`` run the very
 __host__ __device__ element functions the kernels run, in CPU loops, and must equal
 ``codec.encode_pages`` / ``codec.decode_pages`` bit for bit. The same functions on the device
@@ -16,9 +17,9 @@ import zlib
 
 import pytest
 import torch
-from csrc_build import build_plugins, load_gpu_check, needs_nvcc
+from csrc_build import load_gpu_check, load_kernels, needs_nvcc
 
-from tieredkv.plugins import codec
+from tieredkv.plugins import codec, cuda_ops
 
 pytestmark = needs_nvcc
 
@@ -36,20 +37,20 @@ def gpu_check():
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory, gpu_check) -> ctypes.CDLL:
-    return gpu_check.load_library(build_plugins(tmp_path_factory) / "libtieredkv_kernels.so")
+def lib(tmp_path_factory) -> ctypes.CDLL:
+    return load_kernels(tmp_path_factory)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("name", list(codec.CODECS))
-def test_descriptor_is_the_page_layout(lib, gpu_check, name, shape):
+def test_descriptor_is_the_page_layout(lib, name, shape):
     spec = codec.CODECS[name]
-    desc = gpu_check.codec_desc(lib, name, *shape)
+    desc = cuda_ops.codec_desc(name, *shape, lib=lib)
     layout = codec.page_layout(spec, *shape)
     kvh, p, d = shape
     assert desc.page_bytes == layout["total"]["bytes"] == codec.page_bytes(spec, *shape)
     for r, role in enumerate(("k", "v")):
-        for s, section in enumerate(gpu_check.CODEC_SECTIONS):
+        for s, section in enumerate(cuda_ops.CODEC_SECTIONS):
             sec = layout.get(f"{role}.{section}")
             got = (desc.offset[r][s], desc.bytes[r][s])
             assert got == ((sec["offset"], sec["bytes"]) if sec else (-1, 0)), (role, section)
@@ -64,8 +65,8 @@ def test_descriptor_is_the_page_layout(lib, gpu_check, name, shape):
     assert desc.keyframes_per_page == (-(-p // spec.keyframe) if spec.keyframe else 0)
 
 
-def test_descriptor_refuses_unknown_codecs_and_bad_shapes(lib, gpu_check):
-    desc = gpu_check.CodecDesc()
+def test_descriptor_refuses_unknown_codecs_and_bad_shapes(lib):
+    desc = cuda_ops.CodecDesc()
     assert lib.tkv_codec_desc(b"int4", 3, 16, 64, ctypes.byref(desc)) == 0
     for name, shape in ((b"int3", (3, 16, 64)), (b"", (3, 16, 64)), (b"INT4", (3, 16, 64)), (b"int4", (0, 16, 64)),
                         (b"int4", (3, -1, 64)), (b"fp8", (3, 16, 0))):
@@ -74,18 +75,18 @@ def test_descriptor_refuses_unknown_codecs_and_bad_shapes(lib, gpu_check):
     assert lib.tkv_codec_desc(b"int4", 3, 16, 64, None) == INVALID
 
 
-def _assert_bit_exact(lib, gpu_check, name, k, v):
+def _assert_bit_exact(lib, name, k, v):
     spec = codec.CODECS[name]
     shape = tuple(k.shape[1:])
-    desc = gpu_check.codec_desc(lib, name, *shape)
+    desc = cuda_ops.codec_desc(name, *shape, lib=lib)
     ref = codec.encode_pages(k, v, spec)
-    got = gpu_check.encode_pages_host(lib, k, v, desc)
+    got = cuda_ops.encode_pages_host(k, v, desc, lib=lib)
     assert torch.equal(got, ref), f"{int((got != ref).sum())} of {ref.numel()} bytes differ"
     ref_k, ref_v = codec.decode_pages(ref, spec, shape)
     assert not (ref_k.isnan().any() or ref_v.isnan().any())
-    dec_k, dec_v = gpu_check.decode_pages_host(lib, ref, desc)
+    dec_k, dec_v = cuda_ops.decode_pages_host(ref, desc, lib=lib)
     assert torch.equal(dec_k, ref_k) and torch.equal(dec_v, ref_v)
-    own_k, own_v = gpu_check.decode_pages_host(lib, got, desc)  # the library's bytes decode the same
+    own_k, own_v = cuda_ops.decode_pages_host(got, desc, lib=lib)  # the library's bytes decode the same
     assert torch.equal(own_k, ref_k) and torch.equal(own_v, ref_v)
 
 
@@ -95,7 +96,7 @@ def _assert_bit_exact(lib, gpu_check, name, k, v):
 def test_host_codec_is_bit_exact_on_random_pages(lib, gpu_check, name, shape, n):
     gen = torch.Generator().manual_seed(_seed(name, shape, n))
     k, v = gpu_check.codec_pages(gen, n, shape, "random"), gpu_check.codec_pages(gen, n, shape, "random")
-    _assert_bit_exact(lib, gpu_check, name, k, v)
+    _assert_bit_exact(lib, name, k, v)
 
 
 @pytest.mark.parametrize("n", [1, 5])
@@ -108,7 +109,7 @@ def test_host_codec_is_bit_exact_on_edge_pages(lib, gpu_check, name, shape, n):
     flat = torch.cat([k.flatten(), v.flatten()])
     assert flat.isnan().any() and flat.isposinf().any() and flat.isneginf().any()
     assert ((flat != 0) & (flat.abs() < 1.17e-38)).any()  # subnormals
-    _assert_bit_exact(lib, gpu_check, name, k, v)
+    _assert_bit_exact(lib, name, k, v)
 
 
 @pytest.mark.parametrize("name", ["int4", "int4-g16", "int2"])
@@ -122,8 +123,8 @@ def test_signed_zero_groups_store_a_positive_zero_point(lib, gpu_check, name):
     shape = (3, 16, 64)
     k, v = (gpu_check.codec_pages(gen, 5, shape, "signed zeros") for _ in range(2))
     assert bool((k == 0).logical_and(torch.signbit(k)).any())
-    _assert_bit_exact(lib, gpu_check, name, k, v)
-    got = gpu_check.encode_pages_host(lib, k, v, gpu_check.codec_desc(lib, name, *shape))
+    _assert_bit_exact(lib, name, k, v)
+    got = cuda_ops.encode_pages_host(k, v, cuda_ops.codec_desc(name, *shape, lib=lib), lib=lib)
     for role, x in (("k", k), ("v", v)):
         axis = spec.key_axis if role == "k" else spec.value_axis
         xg = codec.sanitize(codec._to_groups(x.reshape(-1, *shape[1:]), axis, spec.group))
@@ -135,7 +136,7 @@ def test_signed_zero_groups_store_a_positive_zero_point(lib, gpu_check, name):
         assert bool((zeros[signed_zero_min] == 0).all()), role  # +0 (0x0000), never -0 (0x8000)
 
 
-def test_delta_decode_sums_in_double_like_torch_cumsum(lib, gpu_check):
+def test_delta_decode_sums_in_double_like_torch_cumsum(lib):
     """fp8-r2-delta decodes with torch.cumsum, which on float32 CPU tensors accumulates in double
     and rounds each prefix: on these pages (large keyframes, small steps) a float32 running sum of
     the same keyframes and decoded differences differs, and the library matches torch."""
@@ -146,7 +147,7 @@ def test_delta_decode_sums_in_double_like_torch_cumsum(lib, gpu_check):
     k = base + torch.randn(1, *shape, generator=gen).cumsum(2) * 1e-2
     data = codec.encode_pages(k, k, spec)
     ref_k, _ = codec.decode_pages(data, spec, shape)
-    dec_k, _ = gpu_check.decode_pages_host(lib, data, gpu_check.codec_desc(lib, "fp8-r2-delta", *shape))
+    dec_k, _ = cuda_ops.decode_pages_host(data, cuda_ops.codec_desc("fp8-r2-delta", *shape, lib=lib), lib=lib)
     assert torch.equal(dec_k, ref_k)
     enc = codec.encode(k[0], spec, role="k")
     diffs = codec._from_groups(codec.dequantize(enc, spec) + codec.dequantize_residual(enc), "token", shape)
@@ -159,8 +160,8 @@ def test_delta_decode_sums_in_double_like_torch_cumsum(lib, gpu_check):
     assert not torch.equal(f32, ref_k[0])
 
 
-def test_host_codec_refuses_bad_arguments(lib, gpu_check):
-    desc = gpu_check.codec_desc(lib, "fp8-r2", 3, 16, 64)
+def test_host_codec_refuses_bad_arguments(lib):
+    desc = cuda_ops.codec_desc("fp8-r2", 3, 16, 64, lib=lib)
     k = torch.randn(2, 3, 16, 64)
     out = torch.empty(2, desc.page_bytes, dtype=torch.uint8)
     ok = lib.tkv_encode_pages_host(k.data_ptr(), k.data_ptr(), out.data_ptr(), 2, ctypes.byref(desc))
@@ -170,7 +171,7 @@ def test_host_codec_refuses_bad_arguments(lib, gpu_check):
     assert lib.tkv_encode_pages_host(k.data_ptr(), k.data_ptr(), out.data_ptr(), -1, ctypes.byref(desc)) == INVALID
     assert lib.tkv_encode_pages_host(k.data_ptr(), k.data_ptr(), out.data_ptr(), 2, None) == INVALID
     assert lib.tkv_decode_pages_host(out.data_ptr(), k.data_ptr(), k.data_ptr(), 2, None) == INVALID
-    tampered = gpu_check.codec_desc(lib, "fp8-r2", 3, 16, 64)
+    tampered = cuda_ops.codec_desc("fp8-r2", 3, 16, 64, lib=lib)
     tampered.offset[1][0] += 128  # not what tkv_codec_desc builds: offsets could leave the page
     assert lib.tkv_encode_pages_host(k.data_ptr(), k.data_ptr(), out.data_ptr(), 2, ctypes.byref(tampered)) == INVALID
     assert lib.tkv_decode_pages_host(out.data_ptr(), k.data_ptr(), k.data_ptr(), 2, ctypes.byref(tampered)) == INVALID
@@ -179,10 +180,10 @@ def test_host_codec_refuses_bad_arguments(lib, gpu_check):
     assert lib.tkv_decode_pages(out.data_ptr(), k.data_ptr(), k.data_ptr(), -3, ctypes.byref(desc), None) == INVALID
 
 
-def test_warm_attention_refuses_a_descriptor_of_other_pages(lib, gpu_check):
+def test_warm_attention_refuses_a_descriptor_of_other_pages(lib):
     """tkv_tiered_attention_warm checks the descriptor against the pools' [KVH, P, D] (and W) before
     any launch, so these refusals need no GPU."""
-    desc = gpu_check.codec_desc(lib, "int4", 3, 16, 64)
+    desc = cuda_ops.codec_desc("int4", 3, 16, 64, lib=lib)
     B, H, T, D, C, KVH, P, M = 1, 9, 1, 64, 4, 3, 16, 2
     row = torch.zeros(B, M, dtype=torch.int64)
 
@@ -197,5 +198,5 @@ def test_warm_attention_refuses_a_descriptor_of_other_pages(lib, gpu_check):
     assert call(desc, w=-1) == INVALID
     assert call(desc, warm_row=None) == INVALID
     assert call(desc, w=1) == INVALID  # W > 0 with a null warm_pool
-    other = gpu_check.codec_desc(lib, "int4", 3, 16, 32)
+    other = cuda_ops.codec_desc("int4", 3, 16, 32, lib=lib)
     assert call(other) == INVALID  # D = 32, the query's is 64

@@ -56,3 +56,8 @@ class DataFileError(TieredKVError):
 class EngineBuildError(TieredKVError):
     """An engine cannot be built as asked: bad build options, an output that exists (without
     --force) or cannot be written, a missing plugin library or plugin creator."""
+
+
+class KernelLibraryError(TieredKVError):
+    """libtieredkv_kernels.so (the CUDA kernels' C ABI, bound by tieredkv.plugins.cuda_ops) is
+    missing, cannot be loaded, or does not match the binding."""

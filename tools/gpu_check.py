@@ -3,11 +3,12 @@ plugins/csrc/tieredkv_kernels.h) against the PyTorch references of ``tieredkv.pl
 
 For each op (TieredAttention, KVAppend, ImportanceScore) it draws fresh random inputs at
 awkward sizes (GQA, odd head dims, P = 5, T > 1, padding columns with page_index = 1 << 40,
-masked pages, a sequence that sees nothing, causal cuts inside pages), runs the kernel on
-torch CUDA tensors through ctypes on the current stream, and compares with the reference
-computed on the CPU (float32 max abs error <= --tol; KVAppend bit-exact). The KV page codecs
-(every codec of ``codec.CODECS``, awkward page shapes, random and edge data: zeros, 1e-6, 6e4,
-subnormals, NaN, ±Inf) are compared bit for bit: encode_pages on the GPU with the reference
+masked pages, a sequence that sees nothing, causal cuts inside pages), runs the kernel through
+its PyTorch op of ``tieredkv.plugins.cuda_ops`` (the ctypes binding of the C ABI: torch CUDA
+tensors, torch's current stream), and compares with the reference computed on the CPU
+(float32 max abs error <= --tol; KVAppend bit-exact). The KV page codecs (every codec of
+``codec.CODECS``, awkward page shapes, random and edge data: zeros, 1e-6, 6e4, subnormals,
+NaN, ±Inf) are compared bit for bit: encode_pages on the GPU with the reference
 bytes and with the library's host encoder, decode_pages with the reference floats. The warm
 TieredAttention (pages read from an encoded warm pool: a mix of warm and pool pages, masked
 warm pages, warm rows past the pool) is compared with ``tiered_attention(..., warm_pool=,
@@ -15,6 +16,11 @@ warm_row=, warm_codec=)`` at --tol. Then it times each kernel at real model shap
 H=9, KVH=3, D=64; a Llama-2-70B-like layer: H=64, KVH=8, D=128; contexts 4k and 32k, P=16,
 one decode token) with CUDA events (median of --repeats) and reports GB/s of the bytes each
 call must move (decode_pages and warm TieredAttention: of the encoded bytes they read).
+
+``tieredkv.plugins`` (the references and ``cuda_ops``) comes from this checkout, installed or
+not: the script needs torch and a built library only. The library is ``--lib``, else
+``$TIEREDKV_KERNELS``, else build/plugins/libtieredkv_kernels.so (``cuda_ops.load_library``).
+The timings include each op's host side (argument checks, ctypes call) between the events.
 
 Writes ``<out>/gpu_check.json`` and ``<out>/gpu_check.md``; exits 0 when every check passes,
 1 when a check fails, 2 when there is no CUDA device or the library cannot be loaded.
@@ -44,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAD_PAGE_INDEX = 1 << 40
 
 
-# --- the references, imported from this checkout ------------------------------------------
+# --- the references and the CUDA ops, imported from this checkout ---------------------------
 
 
 def _import_references() -> types.ModuleType:
@@ -65,6 +71,10 @@ def _import_references() -> types.ModuleType:
     return sys.modules["tieredkv.plugins"]
 
 
+_import_references()  # before the import below: this checkout's tieredkv.plugins, installed or not
+from tieredkv.plugins import cuda_ops  # noqa: E402  (torch + ctypes only)
+
+
 def _kv_append_reference():
     """(function, where it came from): ``onnx_ops.kv_append`` needs the onnx package; without
     it, the same three lines (clone, then index-assign) stated here."""
@@ -78,157 +88,6 @@ def _kv_append_reference():
             v_out[slot, :, offset] = v_new.to(v_out.dtype)
             return k_out, v_out
         return kv_append, "gpu_check copy of onnx_ops.kv_append (onnx not installed)"
-
-
-# --- the library ------------------------------------------------------------------------------
-
-
-CODEC_SECTIONS = ("codes", "scale", "zero", "rcodes", "rscale", "keyframes")  # TKV_SECTION_* order
-
-
-class CodecDesc(ctypes.Structure):
-    """``tkv_codec_desc_t`` of tieredkv_kernels.h (10 int32, then 33 int64; no holes)."""
-
-    _i32, _i64 = ctypes.c_int32, ctypes.c_int64
-    _fields_ = [("codec", _i32), ("base", _i32), ("bits", _i32), ("asym", _i32), ("residual_bits", _i32),
-                ("keyframe", _i32), ("group", _i32), ("axis", _i32 * 2), ("keyframes_per_page", _i32),
-                ("kvh", _i64), ("p", _i64), ("d", _i64), ("values", _i64), ("group_size", _i64 * 2),
-                ("groups", _i64 * 2), ("offset", (_i64 * len(CODEC_SECTIONS)) * 2),
-                ("bytes", (_i64 * len(CODEC_SECTIONS)) * 2), ("page_bytes", _i64)]
-
-
-def load_library(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
-    desc = ctypes.POINTER(CodecDesc)
-    lib.tkv_tiered_attention.argtypes = [p] * 11 + [i64] * 8 + [f32, p]
-    lib.tkv_tiered_attention.restype = ctypes.c_int
-    # ... then warm_pool, warm_row, W, desc, stream
-    lib.tkv_tiered_attention_warm.argtypes = [p] * 11 + [i64] * 8 + [f32, p, p, i64, desc, p]
-    lib.tkv_tiered_attention_warm.restype = ctypes.c_int
-    lib.tkv_codec_desc.argtypes = [ctypes.c_char_p, i64, i64, i64, desc]
-    lib.tkv_codec_desc.restype = ctypes.c_int
-    lib.tkv_codec_desc_sizeof.argtypes = []
-    lib.tkv_codec_desc_sizeof.restype = i64
-    for name in ("tkv_encode_pages", "tkv_decode_pages"):  # (in, out, out | in, in, out), N, desc, stream
-        getattr(lib, name).argtypes = [p, p, p, i64, desc, p]
-        getattr(lib, name).restype = ctypes.c_int
-    for name in ("tkv_encode_pages_host", "tkv_decode_pages_host"):
-        getattr(lib, name).argtypes = [p, p, p, i64, desc]
-        getattr(lib, name).restype = ctypes.c_int
-    lib.tkv_kv_append.argtypes = [p] * 8 + [i64] * 5 + [i32, p]
-    lib.tkv_kv_append.restype = ctypes.c_int
-    lib.tkv_importance_score.argtypes = [p] * 9 + [i64] * 6 + [f32] * 4 + [p]  # w_rel, w_pos, w_sal, scale, stream
-    lib.tkv_importance_score.restype = ctypes.c_int
-    lib.tkv_error_string.argtypes = [ctypes.c_int]
-    lib.tkv_error_string.restype = ctypes.c_char_p
-    if lib.tkv_codec_desc_sizeof() != ctypes.sizeof(CodecDesc):
-        raise OSError(f"{path}: tkv_codec_desc_t is {lib.tkv_codec_desc_sizeof()} bytes, CodecDesc "
-                      f"{ctypes.sizeof(CodecDesc)}: the binding does not match the header")
-    return lib
-
-
-def codec_desc(lib: ctypes.CDLL, name: str, kvh: int, p: int, d: int) -> CodecDesc:
-    """The library's descriptor of codec ``name`` for pages [kvh, p, d] (ValueError if refused)."""
-    desc = CodecDesc()
-    status = lib.tkv_codec_desc(name.encode(), kvh, p, d, ctypes.byref(desc))
-    if status != 0:
-        raise ValueError(f"tkv_codec_desc({name!r}, {kvh}, {p}, {d}): {lib.tkv_error_string(status).decode()}")
-    return desc
-
-
-def encode_pages_host(lib: ctypes.CDLL, k: torch.Tensor, v: torch.Tensor, desc: CodecDesc) -> torch.Tensor:
-    """tkv_encode_pages_host on CPU tensors k, v [N, KVH, P, D] float32 -> uint8 [N, page_bytes]."""
-    k, v = k.float().contiguous(), v.float().contiguous()
-    out = torch.empty(k.shape[0], desc.page_bytes, dtype=torch.uint8)
-    status = lib.tkv_encode_pages_host(k.data_ptr(), v.data_ptr(), out.data_ptr(), k.shape[0], ctypes.byref(desc))
-    if status != 0:
-        raise RuntimeError(f"tkv_encode_pages_host: {lib.tkv_error_string(status).decode()}")
-    return out
-
-
-def decode_pages_host(lib: ctypes.CDLL, data: torch.Tensor, desc: CodecDesc) -> tuple[torch.Tensor, torch.Tensor]:
-    """tkv_decode_pages_host on a CPU uint8 [N, page_bytes] -> K, V [N, KVH, P, D] float32."""
-    data = data.contiguous()
-    shape = (data.shape[0], desc.kvh, desc.p, desc.d)
-    k, v = torch.empty(shape), torch.empty(shape)
-    status = lib.tkv_decode_pages_host(data.data_ptr(), k.data_ptr(), v.data_ptr(), data.shape[0], ctypes.byref(desc))
-    if status != 0:
-        raise RuntimeError(f"tkv_decode_pages_host: {lib.tkv_error_string(status).decode()}")
-    return k, v
-
-
-class Kernels:
-    """The three C ABI calls on torch CUDA tensors (contiguous; launched on the current stream)."""
-
-    def __init__(self, lib: ctypes.CDLL):
-        self.lib = lib
-
-    def _check(self, status: int, name: str) -> None:
-        if status != 0:
-            raise RuntimeError(f"{name}: {self.lib.tkv_error_string(status).decode()} (status {status})")
-
-    @staticmethod
-    def _stream() -> int:
-        return torch.cuda.current_stream().cuda_stream
-
-    def tiered_attention(self, q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, scale,
-                         out=None):
-        b, h, t, d = q.shape
-        c, kvh, p, _ = k_pool.shape
-        m = page_table.shape[1]
-        if out is None:
-            out = (torch.empty_like(q), torch.empty(b, h, t, device=q.device),
-                   torch.empty(b, h, t, m, device=q.device))
-        args = [x.data_ptr() for x in (q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, *out)]
-        self._check(self.lib.tkv_tiered_attention(*args, b, h, t, d, c, kvh, p, m, scale, self._stream()),
-                    "tkv_tiered_attention")
-        return out
-
-    def tiered_attention_warm(self, q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, scale,
-                              warm_pool, warm_row, desc, out=None):
-        b, h, t, d = q.shape
-        c, kvh, p, _ = k_pool.shape
-        m = page_table.shape[1]
-        if out is None:
-            out = (torch.empty_like(q), torch.empty(b, h, t, device=q.device),
-                   torch.empty(b, h, t, m, device=q.device))
-        args = [x.data_ptr() for x in (q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, *out)]
-        self._check(self.lib.tkv_tiered_attention_warm(*args, b, h, t, d, c, kvh, p, m, scale, warm_pool.data_ptr(),
-                                                       warm_row.data_ptr(), warm_pool.shape[0], ctypes.byref(desc),
-                                                       self._stream()), "tkv_tiered_attention_warm")
-        return out
-
-    def encode_pages(self, k, v, desc, out=None):
-        out = torch.empty(k.shape[0], desc.page_bytes, dtype=torch.uint8, device=k.device) if out is None else out
-        self._check(self.lib.tkv_encode_pages(k.data_ptr(), v.data_ptr(), out.data_ptr(), k.shape[0],
-                                              ctypes.byref(desc), self._stream()), "tkv_encode_pages")
-        return out
-
-    def decode_pages(self, data, desc, out=None):
-        shape = (data.shape[0], desc.kvh, desc.p, desc.d)
-        if out is None:
-            out = (torch.empty(shape, device=data.device), torch.empty(shape, device=data.device))
-        self._check(self.lib.tkv_decode_pages(data.data_ptr(), out[0].data_ptr(), out[1].data_ptr(), data.shape[0],
-                                              ctypes.byref(desc), self._stream()), "tkv_decode_pages")
-        return out
-
-    def kv_append(self, k_pool, v_pool, k_new, v_new, slot, offset, k_out, v_out):
-        c, kvh, p, d = k_pool.shape
-        args = [x.data_ptr() for x in (k_pool, v_pool, k_new, v_new, slot, offset, k_out, v_out)]
-        self._check(self.lib.tkv_kv_append(*args, c, kvh, p, d, k_new.shape[0], k_pool.element_size(),
-                                           self._stream()), "tkv_kv_append")
-        return k_out, v_out
-
-    def importance_score(self, q, kmin, kmax, page_tokens, distance, saliency, page_mask, position_table, weights,
-                         scale, out=None):
-        b, h, d = q.shape
-        _, m, kvh, _ = kmin.shape
-        out = torch.empty(b, m, device=q.device) if out is None else out
-        args = [x.data_ptr() for x in (q, kmin, kmax, page_tokens, distance, saliency, page_mask, position_table, out)]
-        self._check(self.lib.tkv_importance_score(*args, b, h, d, m, kvh, position_table.shape[0], *weights, scale,
-                                                  self._stream()), "tkv_importance_score")
-        return out
 
 
 # --- correctness ------------------------------------------------------------------------------
@@ -275,7 +134,7 @@ def attention_inputs(gen: torch.Generator, *, B, H, KVH, T, D, P, M, pad, C, emp
     return q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past
 
 
-def check_attention(kern: Kernels, refs, gen: torch.Generator, tol: float) -> list[Check]:
+def check_attention(lib: ctypes.CDLL, refs, gen: torch.Generator, tol: float) -> list[Check]:
     cases = [
         dict(B=3, H=9, KVH=3, T=1, D=64, P=16, M=9, pad=2, C=23, empty_row=True),
         dict(B=3, H=9, KVH=3, T=3, D=64, P=5, M=11, pad=3, C=17, empty_row=False),
@@ -290,7 +149,7 @@ def check_attention(kern: Kernels, refs, gen: torch.Generator, tol: float) -> li
         scale = case["D"] ** -0.5
         ref_out, ref_lse, ref_probs = refs.tiered_attention(*inputs, scale=scale)
         dev = [x.cuda() for x in inputs]
-        got = kern.tiered_attention(*dev, scale)
+        got = cuda_ops.tiered_attention(*dev, scale=scale, lib=lib)
         torch.cuda.synchronize()
         got_out, got_lse, got_probs = (x.cpu() for x in got)
         errors = {"out": _max_err(got_out, ref_out), "lse": _lse_err(got_lse, ref_lse),
@@ -302,7 +161,7 @@ def check_attention(kern: Kernels, refs, gen: torch.Generator, tol: float) -> li
     return checks
 
 
-def check_kv_append(kern: Kernels, kv_append, gen: torch.Generator) -> list[Check]:
+def check_kv_append(lib: ctypes.CDLL, kv_append, gen: torch.Generator) -> list[Check]:
     checks = []
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for C, KVH, P, D, N in ((20, 3, 16, 64, 7), (11, 2, 5, 80, 30), (4, 8, 16, 128, 1)):
@@ -315,9 +174,9 @@ def check_kv_append(kern: Kernels, kv_append, gen: torch.Generator) -> list[Chec
             ref_k, ref_v = kv_append(k_pool, v_pool, k_new, v_new, slot, offset)
             dev = [x.cuda() for x in (k_pool, v_pool, k_new, v_new, slot, offset)]
             k_out, v_out = torch.empty_like(dev[0]), torch.empty_like(dev[1])
-            kern.kv_append(*dev, k_out, v_out)  # copy + scatter
+            cuda_ops.kv_append(*dev, out=(k_out, v_out), lib=lib)  # copy + scatter
             k_in_place, v_in_place = dev[0].clone(), dev[1].clone()
-            kern.kv_append(k_in_place, v_in_place, *dev[2:], k_in_place, v_in_place)  # scatter only
+            cuda_ops.kv_append(k_in_place, v_in_place, *dev[2:], out=(k_in_place, v_in_place), lib=lib)  # scatter only
             torch.cuda.synchronize()
             exact = {
                 "copy": torch.equal(k_out.cpu(), ref_k) and torch.equal(v_out.cpu(), ref_v),
@@ -349,7 +208,7 @@ def importance_inputs(gen: torch.Generator, *, B, H, KVH, D, M, NB, P, empty_row
     return q, kmin, kmax, page_tokens, distance, saliency, page_mask, position_table
 
 
-def check_importance(kern: Kernels, refs, gen: torch.Generator, tol: float) -> list[Check]:
+def check_importance(lib: ctypes.CDLL, refs, gen: torch.Generator, tol: float) -> list[Check]:
     cases = [
         (dict(B=3, H=9, KVH=3, D=64, M=37, NB=12, P=16, empty_row=True), (0.4, 0.3, 0.3)),
         (dict(B=3, H=9, KVH=3, D=64, M=37, NB=12, P=16, empty_row=False), (0.0, 0.5, 0.5)),
@@ -362,7 +221,7 @@ def check_importance(kern: Kernels, refs, gen: torch.Generator, tol: float) -> l
         scale = case["D"] ** -0.5
         ref = refs.importance_score(*inputs, weights, scale=scale)
         dev = [x.cuda() for x in inputs]
-        got = kern.importance_score(*dev, weights, scale)
+        got = cuda_ops.importance_score(*dev, weights, scale=scale, lib=lib)
         torch.cuda.synchronize()
         err = _max_err(got.cpu(), ref)
         name = ", ".join(f"{k}={v}" for k, v in case.items()) + f", weights={weights}"
@@ -420,7 +279,7 @@ def codec_pages(gen: torch.Generator, n: int, shape: tuple[int, int, int], kind:
     return x
 
 
-def check_codecs(kern: Kernels, gen: torch.Generator) -> list[Check]:
+def check_codecs(lib: ctypes.CDLL, gen: torch.Generator) -> list[Check]:
     """Every codec at CODEC_SHAPES on every CODEC_DATA kind: GPU encode == host encode == the
     reference bytes, GPU decode == the reference floats."""
     from tieredkv.plugins import codec
@@ -428,16 +287,16 @@ def check_codecs(kern: Kernels, gen: torch.Generator) -> list[Check]:
     checks = []
     for name, spec in codec.CODECS.items():
         for shape, n in CODEC_SHAPES:
-            desc = codec_desc(kern.lib, name, *shape)
+            desc = cuda_ops.codec_desc(name, *shape, lib=lib)
             exact = {"encode=host": True, "encode=reference": True, "decode=reference": True}
             errors = {"encode bytes differing": 0.0, "decode max abs error": 0.0}
             for kind in CODEC_DATA:
                 k, v = codec_pages(gen, n, shape, kind), codec_pages(gen, n, shape, kind)
                 ref = codec.encode_pages(k, v, spec)
-                host = encode_pages_host(kern.lib, k, v, desc)
-                got = kern.encode_pages(k.cuda(), v.cuda(), desc).cpu()
+                host = cuda_ops.encode_pages_host(k, v, desc, lib=lib)
+                got = cuda_ops.encode_pages(k.cuda(), v.cuda(), desc, lib=lib).cpu()
                 ref_k, ref_v = codec.decode_pages(ref, spec, shape)
-                dec_k, dec_v = (x.cpu() for x in kern.decode_pages(ref.cuda(), desc))
+                dec_k, dec_v = (x.cpu() for x in cuda_ops.decode_pages(ref.cuda(), desc, lib=lib))
                 torch.cuda.synchronize()
                 exact["encode=host"] &= torch.equal(got, host)
                 exact["encode=reference"] &= torch.equal(got, ref)
@@ -473,7 +332,7 @@ def warm_inputs(gen: torch.Generator, spec, inputs, W: int):
     return warm_pool, warm_row, ref_mask, ref_row
 
 
-def check_warm_attention(kern: Kernels, refs, gen: torch.Generator, tol: float) -> list[Check]:
+def check_warm_attention(lib: ctypes.CDLL, refs, gen: torch.Generator, tol: float) -> list[Check]:
     """Warm TieredAttention vs tiered_attention(..., warm_pool=, warm_row=, warm_codec=): every
     codec at a SmolLM2-like shape and at one of the awkward shapes."""
     from tieredkv.plugins import codec
@@ -499,9 +358,9 @@ def check_warm_attention(kern: Kernels, refs, gen: torch.Generator, tol: float) 
             ref_out, ref_lse, ref_probs = refs.tiered_attention(q, k_pool, v_pool, page_table, ref_mask, page_index,
                                                                 seq_len, past, scale=scale, warm_pool=warm_pool,
                                                                 warm_row=ref_row, warm_codec=name)
-            desc = codec_desc(kern.lib, name, case["KVH"], case["P"], case["D"])
+            desc = cuda_ops.codec_desc(name, case["KVH"], case["P"], case["D"], lib=lib)
             dev = [x.cuda() for x in inputs]
-            got = kern.tiered_attention_warm(*dev, scale, warm_pool.cuda(), warm_row.cuda(), desc)
+            got = cuda_ops.tiered_attention_warm(*dev, warm_pool.cuda(), warm_row.cuda(), desc, scale=scale, lib=lib)
             torch.cuda.synchronize()
             got_out, got_lse, got_probs = (x.cpu() for x in got)
             errors = {"out": _max_err(got_out, ref_out), "lse": _lse_err(got_lse, ref_lse),
@@ -563,7 +422,7 @@ def _decode_step(B: int, H: int, T: int, D: int, M: int, ctx: int, dev):
     return q, page_mask, page_index, seq_len, seq_len - T, out
 
 
-def time_kernels(kern: Kernels, repeats: int, batch: int) -> list[Timing]:
+def time_kernels(lib: ctypes.CDLL, repeats: int, batch: int) -> list[Timing]:
     timings = []
     dev = torch.device("cuda")
     B, T, P = batch, 1, 16
@@ -577,8 +436,8 @@ def time_kernels(kern: Kernels, repeats: int, batch: int) -> list[Timing]:
             k_pool = torch.randn(C, KVH, P, D, device=dev)
             v_pool = torch.randn(C, KVH, P, D, device=dev)
             page_table = torch.randperm(C, device=dev).view(B, M)
-            ms = _time(lambda: kern.tiered_attention(q, k_pool, v_pool, page_table, page_mask, page_index, seq_len,
-                                                     past, D ** -0.5, out=out), repeats)
+            ms = _time(lambda: cuda_ops.tiered_attention(q, k_pool, v_pool, page_table, page_mask, page_index,
+                                                         seq_len, past, scale=D ** -0.5, out=out, lib=lib), repeats)
             kv_bytes = 2 * B * M * P * KVH * D * 4
             io_bytes = 2 * q.numel() * 4 + B * H * T * (M + 1) * 4 + B * M * 17
             timings.append(_timing("TieredAttention", model, shape, ms, kv_bytes + io_bytes))
@@ -591,8 +450,9 @@ def time_kernels(kern: Kernels, repeats: int, batch: int) -> list[Timing]:
             position_table = torch.rand(16, device=dev)
             score = torch.empty(B, M, device=dev)
             qs = q[:, :, 0].contiguous()
-            ms = _time(lambda: kern.importance_score(qs, kmin, kmax, page_tokens, distance, saliency, page_mask,
-                                                     position_table, (0.4, 0.3, 0.3), D ** -0.5, out=score), repeats)
+            ms = _time(lambda: cuda_ops.importance_score(qs, kmin, kmax, page_tokens, distance, saliency, page_mask,
+                                                         position_table, (0.4, 0.3, 0.3), scale=D ** -0.5, out=score,
+                                                         lib=lib), repeats)
             timings.append(_timing("ImportanceScore", model, shape, ms, 2 * kmin.numel() * 4 + B * M * (8 + 8 + 4 + 1 + 4)))
             # KVAppend of one token per sequence: in place (scatter only) and as the plugin runs it
             # (copy both pools to the outputs, then scatter)
@@ -601,10 +461,12 @@ def time_kernels(kern: Kernels, repeats: int, batch: int) -> list[Timing]:
             slot = page_table[:, -1].contiguous()
             offset = torch.full((B,), P - 1, dtype=torch.int64, device=dev)
             new_bytes = 2 * 2 * k_new.numel() * 4
-            ms = _time(lambda: kern.kv_append(k_pool, v_pool, k_new, v_new, slot, offset, k_pool, v_pool), repeats)
+            ms = _time(lambda: cuda_ops.kv_append(k_pool, v_pool, k_new, v_new, slot, offset, out=(k_pool, v_pool),
+                                                  lib=lib), repeats)
             timings.append(_timing("KVAppend (in place)", model, shape, ms, new_bytes))
             k_out, v_out = torch.empty_like(k_pool), torch.empty_like(v_pool)
-            ms = _time(lambda: kern.kv_append(k_pool, v_pool, k_new, v_new, slot, offset, k_out, v_out), repeats)
+            ms = _time(lambda: cuda_ops.kv_append(k_pool, v_pool, k_new, v_new, slot, offset, out=(k_out, v_out),
+                                                  lib=lib), repeats)
             timings.append(_timing("KVAppend (copy + scatter)", model, shape, ms,
                                    2 * 2 * k_pool.numel() * 4 + new_bytes, pool_mib=round(2 * k_pool.numel() * 4 / 2**20, 1)))
             del k_pool, v_pool, k_out, v_out, kmin, kmax
@@ -612,7 +474,7 @@ def time_kernels(kern: Kernels, repeats: int, batch: int) -> list[Timing]:
     return timings
 
 
-def time_codecs(kern: Kernels, repeats: int, batch: int) -> list[Timing]:
+def time_codecs(lib: ctypes.CDLL, repeats: int, batch: int) -> list[Timing]:
     """encode_pages / decode_pages of one layer's whole context and the warm TieredAttention over
     it (every listed page warm), per codec; GB/s of the encoded bytes written / read."""
     from tieredkv.plugins import codec
@@ -632,19 +494,19 @@ def time_codecs(kern: Kernels, repeats: int, batch: int) -> list[Timing]:
             warm_row = torch.randperm(N, device=dev).view(B, M)
             float_bytes = 2 * k.numel() * 4
             for name in codec.CODECS:
-                desc = codec_desc(kern.lib, name, KVH, P, D)
+                desc = cuda_ops.codec_desc(name, KVH, P, D, lib=lib)
                 data = torch.empty(N, desc.page_bytes, dtype=torch.uint8, device=dev)
                 enc_bytes = data.numel()
-                ms = _time(lambda: kern.encode_pages(k, v, desc, out=data), repeats)
+                ms = _time(lambda: cuda_ops.encode_pages(k, v, desc, out=data, lib=lib), repeats)
                 timings.append(_timing(f"encode_pages [{name}]", model, shape, ms, enc_bytes,
                                        float_bytes_read=float_bytes))
                 dec = (torch.empty_like(k), torch.empty_like(v))
-                ms = _time(lambda: kern.decode_pages(data, desc, out=dec), repeats)
+                ms = _time(lambda: cuda_ops.decode_pages(data, desc, out=dec, lib=lib), repeats)
                 timings.append(_timing(f"decode_pages [{name}]", model, shape, ms, enc_bytes,
                                        float_bytes_written=float_bytes))
-                ms = _time(lambda: kern.tiered_attention_warm(q, k, v, page_table, page_mask, page_index, seq_len,
-                                                              past, D ** -0.5, data, warm_row, desc, out=att_out),
-                           repeats)
+                ms = _time(lambda: cuda_ops.tiered_attention_warm(q, k, v, page_table, page_mask, page_index,
+                                                                  seq_len, past, data, warm_row, desc,
+                                                                  scale=D ** -0.5, out=att_out, lib=lib), repeats)
                 timings.append(_timing(f"TieredAttention warm [{name}]", model, shape, ms, enc_bytes,
                                        bits_per_value=round(8 * desc.page_bytes / (2 * KVH * P * D), 2)))
                 del data, dec
@@ -692,8 +554,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Needs a CUDA device and torch with CUDA; without one it says so and exits 2.")
-    parser.add_argument("--lib", type=Path, default=ROOT / "build" / "plugins" / "libtieredkv_kernels.so",
-                        help="path of libtieredkv_kernels.so (default: %(default)s)")
+    parser.add_argument("--lib", type=Path, default=None,
+                        help=f"path of libtieredkv_kernels.so (default: ${cuda_ops.ENV_VAR}, else "
+                             f"{cuda_ops.DEFAULT_LIBRARY})")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu_out"),
                         help="report directory (default: $OUT or ./gpu_out)")
     parser.add_argument("--tol", type=float, default=1e-4, help="float32 max abs error allowed (default: %(default)s)")
@@ -704,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     seed = args.seed if args.seed is not None else int(time.time_ns() % (2**31))
-    report: dict = {"result": "not run", "library": str(args.lib), "torch": torch.__version__,
+    report: dict = {"result": "not run", "library": str(cuda_ops.library_path(args.lib)), "torch": torch.__version__,
                     "torch_cuda": torch.version.cuda, "host": platform.platform(), "tolerance": args.tol, "seed": seed}
     if not torch.cuda.is_available():
         report["result"] = "no CUDA device"
@@ -715,10 +578,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report["device"] = f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))})"
     try:
-        kern = Kernels(load_library(args.lib))
-    except OSError as exc:
+        lib = cuda_ops.load_library(args.lib)
+    except cuda_ops.KernelLibraryError as exc:
         report["result"] = "library not loaded"
-        report["error"] = f"cannot load {args.lib}: {exc}"
+        report["error"] = f"cannot load the kernels: {exc}"
         write_report(args.out, report)
         print(f"gpu_check: {report['error']}", file=sys.stderr)
         return 2
@@ -728,11 +591,11 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(seed)
     checks: list[Check] = []
     try:
-        checks += check_attention(kern, refs, gen, args.tol)
-        checks += check_kv_append(kern, kv_append, gen)
-        checks += check_importance(kern, refs, gen, args.tol)
-        checks += check_codecs(kern, gen)
-        checks += check_warm_attention(kern, refs, gen, args.tol)
+        checks += check_attention(lib, refs, gen, args.tol)
+        checks += check_kv_append(lib, kv_append, gen)
+        checks += check_importance(lib, refs, gen, args.tol)
+        checks += check_codecs(lib, gen)
+        checks += check_warm_attention(lib, refs, gen, args.tol)
     except RuntimeError as exc:  # a launch or execution error: report what ran so far
         report["error"] = str(exc)
     report["checks"] = [asdict(c) for c in checks]
@@ -743,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.no_timing and "error" not in report:
         try:
-            timings = time_kernels(kern, args.repeats, args.batch) + time_codecs(kern, args.repeats, args.batch)
+            timings = time_kernels(lib, args.repeats, args.batch) + time_codecs(lib, args.repeats, args.batch)
             report["timings"] = [asdict(t) for t in timings]
             for t in timings:
                 print(f"time {t.op:34s} {t.model:16s} {t.shape}: {t.median_us} us, {t.gb_per_s} GB/s")

@@ -1,0 +1,482 @@
+"""tieredkv.plugins.cuda_ops: the CUDA kernels of ``libtieredkv_kernels.so`` as PyTorch ops.
+
+The kernels (``plugins/csrc``) sit behind a plain C ABI (``plugins/csrc/tieredkv_kernels.h``),
+the same functions the TensorRT plugins' ``enqueue`` calls. This module binds that ABI with
+ctypes: each op takes torch CUDA tensors, checks them, allocates its outputs (or writes the
+``out=`` tensors it is given) and enqueues the kernel on torch's current stream of the
+tensors' device; it returns without synchronizing. The semantics are those of the PyTorch
+references of ``tieredkv.plugins`` (docs/plugins.md), which ``tools/gpu_check.py`` compares
+each op with on a GPU.
+
+Imports need only torch and ctypes (plus ``tieredkv.errors``, which imports nothing), and
+loading the library needs no GPU, so the host codec functions run on any machine.
+
+Library: every function takes ``lib=``, a ``ctypes.CDLL`` returned by :func:`load_library` or
+the path of the library; without it, the path in ``$TIEREDKV_KERNELS``, else
+``build/plugins/libtieredkv_kernels.so`` under the checkout root (``cmake -S plugins/csrc -B
+build/plugins && cmake --build build/plugins``). A library that is missing, cannot be loaded
+or does not match this binding raises :class:`tieredkv.errors.KernelLibraryError`.
+
+Errors: a tensor of the wrong dtype or shape, not contiguous, or not on one CUDA device (the
+host codec functions: not on the CPU) raises ``ValueError`` naming the argument, before the
+library is loaded; so do sizes outside the kernels' limits (head dim 0 < D <= 256, H a
+multiple of KVH). A nonzero status of the C call (a launch error; execution errors surface
+when the stream is synchronized) raises ``RuntimeError`` with ``tkv_error_string``'s text.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from tieredkv.errors import KernelLibraryError
+
+__all__ = ["CODEC_SECTIONS", "DEFAULT_LIBRARY", "ENV_VAR", "MAX_HEAD_DIM", "CodecDesc", "KernelLibraryError",
+           "codec_desc", "decode_pages", "decode_pages_host", "encode_pages", "encode_pages_host",
+           "importance_score", "kv_append", "library_path", "load_library", "tiered_attention",
+           "tiered_attention_warm"]
+
+#: environment variable naming the library when no ``lib=`` is given
+ENV_VAR = "TIEREDKV_KERNELS"
+#: the library built in the checkout (plugins/csrc/README.md, "Build")
+DEFAULT_LIBRARY = Path(__file__).resolve().parents[1] / "build" / "plugins" / "libtieredkv_kernels.so"
+#: the kernels' largest head dim (kMaxHeadDim of plugins/csrc/kernels/common.cuh)
+MAX_HEAD_DIM = 256
+#: sections of an encoded page in layout order: the index of ``CodecDesc.offset[role][.]`` and
+#: ``CodecDesc.bytes[role][.]`` (TKV_SECTION_* of tieredkv_kernels.h)
+CODEC_SECTIONS = ("codes", "scale", "zero", "rcodes", "rscale", "keyframes")
+
+
+class CodecDesc(ctypes.Structure):
+    """``tkv_codec_desc_t`` of tieredkv_kernels.h (10 int32, then 33 int64; no holes): a codec
+    for pages K, V [kvh, p, d] and the byte layout of one encoded page (``page_bytes`` bytes).
+    Build it with :func:`codec_desc`; the library refuses a descriptor that differs from what
+    that builds."""
+
+    _i32, _i64 = ctypes.c_int32, ctypes.c_int64
+    _fields_ = [("codec", _i32), ("base", _i32), ("bits", _i32), ("asym", _i32), ("residual_bits", _i32),
+                ("keyframe", _i32), ("group", _i32), ("axis", _i32 * 2), ("keyframes_per_page", _i32),
+                ("kvh", _i64), ("p", _i64), ("d", _i64), ("values", _i64), ("group_size", _i64 * 2),
+                ("groups", _i64 * 2), ("offset", (_i64 * len(CODEC_SECTIONS)) * 2),
+                ("bytes", (_i64 * len(CODEC_SECTIONS)) * 2), ("page_bytes", _i64)]
+
+
+# --- the library ------------------------------------------------------------------------------
+
+_loaded: dict[Path, ctypes.CDLL] = {}
+
+
+def library_path(path: str | os.PathLike | None = None) -> Path:
+    """Where the library is looked for: ``path``, else ``$TIEREDKV_KERNELS``, else
+    :data:`DEFAULT_LIBRARY` (whether or not the file exists)."""
+    if path is not None:
+        return Path(path)
+    return Path(os.environ[ENV_VAR]) if os.environ.get(ENV_VAR) else DEFAULT_LIBRARY
+
+
+def load_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
+    """``libtieredkv_kernels.so`` (at :func:`library_path` of ``path``) with every C ABI
+    function's argument and result types set; loaded once per path. Needs no GPU.
+
+    Raises :class:`KernelLibraryError` when the file is missing, cannot be loaded, or its
+    ``tkv_codec_desc_t`` is not the size of :class:`CodecDesc`."""
+    where = library_path(path)
+    if where in _loaded:
+        return _loaded[where]
+    source = ("given" if path is not None else f"from ${ENV_VAR}" if os.environ.get(ENV_VAR)
+              else f"the default; set ${ENV_VAR} or pass lib= to use another")
+    if not where.is_file():
+        raise KernelLibraryError(f"{where} ({source}): no such file; build libtieredkv_kernels.so with "
+                                 "`cmake -S plugins/csrc -B build/plugins && cmake --build build/plugins`")
+    try:
+        lib = ctypes.CDLL(str(where))
+    except OSError as exc:
+        raise KernelLibraryError(f"{where} ({source}): cannot be loaded: {exc}") from exc
+    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
+    desc = ctypes.POINTER(CodecDesc)
+    try:
+        lib.tkv_tiered_attention.argtypes = [p] * 11 + [i64] * 8 + [f32, p]
+        lib.tkv_tiered_attention.restype = ctypes.c_int
+        # ... then warm_pool, warm_row, W, desc, stream
+        lib.tkv_tiered_attention_warm.argtypes = [p] * 11 + [i64] * 8 + [f32, p, p, i64, desc, p]
+        lib.tkv_tiered_attention_warm.restype = ctypes.c_int
+        lib.tkv_codec_desc.argtypes = [ctypes.c_char_p, i64, i64, i64, desc]
+        lib.tkv_codec_desc.restype = ctypes.c_int
+        lib.tkv_codec_desc_sizeof.argtypes = []
+        lib.tkv_codec_desc_sizeof.restype = i64
+        for name in ("tkv_encode_pages", "tkv_decode_pages"):  # (in, out, out | in, in, out), N, desc, stream
+            getattr(lib, name).argtypes = [p, p, p, i64, desc, p]
+            getattr(lib, name).restype = ctypes.c_int
+        for name in ("tkv_encode_pages_host", "tkv_decode_pages_host"):
+            getattr(lib, name).argtypes = [p, p, p, i64, desc]
+            getattr(lib, name).restype = ctypes.c_int
+        lib.tkv_kv_append.argtypes = [p] * 8 + [i64] * 5 + [i32, p]
+        lib.tkv_kv_append.restype = ctypes.c_int
+        lib.tkv_importance_score.argtypes = [p] * 9 + [i64] * 6 + [f32] * 4 + [p]  # w_rel, w_pos, w_sal, scale, stream
+        lib.tkv_importance_score.restype = ctypes.c_int
+        lib.tkv_error_string.argtypes = [ctypes.c_int]
+        lib.tkv_error_string.restype = ctypes.c_char_p
+    except AttributeError as exc:
+        raise KernelLibraryError(f"{where}: not libtieredkv_kernels.so, or an older one: {exc}") from exc
+    if lib.tkv_codec_desc_sizeof() != ctypes.sizeof(CodecDesc):
+        raise KernelLibraryError(f"{where}: tkv_codec_desc_t is {lib.tkv_codec_desc_sizeof()} bytes, CodecDesc "
+                                 f"{ctypes.sizeof(CodecDesc)}: the binding does not match the header")
+    _loaded[where] = lib
+    return lib
+
+
+def _library(lib: ctypes.CDLL | str | os.PathLike | None) -> ctypes.CDLL:
+    return lib if isinstance(lib, ctypes.CDLL) else load_library(lib)
+
+
+def _raise_for_status(lib: ctypes.CDLL, name: str, status: int) -> None:
+    if status != 0:
+        raise RuntimeError(f"{name}: {lib.tkv_error_string(status).decode()} (status {status})")
+
+
+def _launch(lib: ctypes.CDLL, name: str, device: torch.device, *args) -> None:
+    """Calls C ABI function ``name`` with ``args`` and torch's current stream of ``device``
+    (that device current during the call)."""
+    with torch.cuda.device(device):
+        _raise_for_status(lib, name, getattr(lib, name)(*args, torch.cuda.current_stream(device).cuda_stream))
+
+
+# --- argument checks --------------------------------------------------------------------------
+
+
+def _describe(dims: str, shape: Sequence[int | None]) -> str:
+    return f"{dims} = [{', '.join('*' if s is None else str(s) for s in shape)}]"
+
+
+def _arg(name: str, t, dtype: torch.dtype | None, dims: str, shape: tuple[int | None, ...]) -> torch.Size:
+    """Checks argument ``name``: a contiguous tensor of ``dtype`` (None: any dtype of 1, 2, 4 or
+    8 bytes) and ``shape`` (None: any size there); ``dims`` names the dims for the message.
+    Returns its shape; raises ValueError naming ``name`` otherwise. The device is checked by
+    :func:`_device`, once all arguments are."""
+    if isinstance(t, torch.Tensor) and t.dtype == dtype and t.shape == shape and t.is_contiguous():
+        return t.shape  # the common case, checked quickly
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a tensor {dims}, got {type(t).__name__}")
+    if dtype is None:
+        if t.element_size() not in (1, 2, 4, 8) or t.is_complex():
+            raise ValueError(f"{name}: expected a real dtype of 1, 2, 4 or 8 bytes, got {t.dtype}")
+    elif t.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
+        raise ValueError(f"{name}: expected shape {_describe(dims, shape)}, got {list(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous (row-major) tensor; call .contiguous()")
+    return t.shape
+
+
+def _device(*named: tuple[str, torch.Tensor], host: bool = False) -> torch.device:
+    """The one CUDA device of all ``(name, tensor)`` (``host``: the CPU); ValueError naming the
+    first tensor elsewhere."""
+    first_name, first = named[0]
+    device = torch.device("cpu") if host else first.device
+    if not host and device.type != "cuda":
+        raise ValueError(f"{first_name}: expected a CUDA tensor, got one on {device}")
+    for name, t in named:
+        if t.device != device:
+            where = "on the CPU (a host function)" if host else f"on {device}, like {first_name}"
+            raise ValueError(f"{name}: expected a tensor {where}, got one on {t.device}")
+    return device
+
+
+def _heads(q_heads: int, kv_heads: int, head_dim: int) -> None:
+    """The kernels' limits: 0 < D <= MAX_HEAD_DIM, KVH > 0 and H a multiple of KVH."""
+    if not 0 < head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim D = {head_dim}; the kernels take 0 < D <= {MAX_HEAD_DIM}")
+    if kv_heads <= 0 or q_heads % kv_heads:
+        raise ValueError(f"q: H = {q_heads} query heads is not a multiple of KVH = {kv_heads} kv heads")
+
+
+def _desc(desc, kvh: int | None = None, p: int | None = None, d: int | None = None, *, of: str = "") -> CodecDesc:
+    if not isinstance(desc, CodecDesc):
+        raise ValueError(f"desc: expected a CodecDesc from codec_desc(), got {type(desc).__name__}")
+    if kvh is not None and (desc.kvh, desc.p, desc.d) != (kvh, p, d):
+        raise ValueError(f"desc: page shape [KVH, P, D] = [{desc.kvh}, {desc.p}, {desc.d}], {of} has "
+                         f"[{kvh}, {p}, {d}]")
+    return desc
+
+
+def _outputs(out, names: Sequence[str]) -> tuple[torch.Tensor, ...]:
+    if not isinstance(out, (tuple, list)) or len(out) != len(names):
+        raise ValueError(f"out: expected a tuple of {len(names)} tensors ({', '.join(names)}), got {out!r:.80}")
+    return tuple(out)
+
+
+# --- descriptors and host codec ---------------------------------------------------------------
+
+
+def codec_desc(name: str, kvh: int, p: int, d: int, *, lib: ctypes.CDLL | str | os.PathLike | None = None
+               ) -> CodecDesc:
+    """The library's descriptor of codec ``name`` (a key of ``tieredkv.plugins.codec.CODECS``)
+    for pages K, V [kvh, p, d]; ``page_bytes`` equals ``codec.page_bytes``. Runs on the host.
+    Raises ValueError when the library refuses the name or the sizes."""
+    lib = _library(lib)
+    desc = CodecDesc()
+    status = lib.tkv_codec_desc(name.encode(), kvh, p, d, ctypes.byref(desc))
+    if status != 0:
+        raise ValueError(f"tkv_codec_desc({name!r}, {kvh}, {p}, {d}): {lib.tkv_error_string(status).decode()} "
+                         "(a name of codec.CODECS and sizes > 0 expected)")
+    return desc
+
+
+def _encode_args(k, v, desc, out, *, host: bool) -> tuple[torch.Tensor, int]:
+    desc = _desc(desc)
+    n = _arg("k", k, torch.float32, "[N, KVH, P, D]", (None, desc.kvh, desc.p, desc.d))[0]
+    _arg("v", v, torch.float32, "[N, KVH, P, D]", k.shape)
+    if out is None:
+        out = torch.empty(n, desc.page_bytes, dtype=torch.uint8, device=k.device)
+    _arg("out", out, torch.uint8, "[N, page_bytes]", (n, desc.page_bytes))
+    _device(("k", k), ("v", v), ("out", out), host=host)
+    return out, n
+
+
+def _decode_args(data, desc, out, *, host: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
+    desc = _desc(desc)
+    n = _arg("data", data, torch.uint8, "[N, page_bytes]", (None, desc.page_bytes))[0]
+    shape = (n, desc.kvh, desc.p, desc.d)
+    if out is None:
+        out = (torch.empty(shape, device=data.device), torch.empty(shape, device=data.device))
+    k, v = _outputs(out, ("k", "v"))
+    _arg("out[0] (k)", k, torch.float32, "[N, KVH, P, D]", shape)
+    _arg("out[1] (v)", v, torch.float32, "[N, KVH, P, D]", shape)
+    _device(("data", data), ("out[0] (k)", k), ("out[1] (v)", v), host=host)
+    return (k, v), n
+
+
+def encode_pages_host(k: torch.Tensor, v: torch.Tensor, desc: CodecDesc, *, out: torch.Tensor | None = None,
+                      lib: ctypes.CDLL | str | os.PathLike | None = None) -> torch.Tensor:
+    """:func:`encode_pages` on the CPU (``tkv_encode_pages_host``: CPU loops over the same
+    element functions the kernel runs; synchronous), bit-exact with ``codec.encode_pages``.
+
+    k, v: [N, KVH, P, D] float32, CPU, contiguous, [KVH, P, D] = ``desc``'s page shape.
+    Returns (or writes ``out``): [N, desc.page_bytes] uint8, CPU."""
+    out, n = _encode_args(k, v, desc, out, host=True)
+    lib = _library(lib)
+    _raise_for_status(lib, "tkv_encode_pages_host",
+                      lib.tkv_encode_pages_host(k.data_ptr(), v.data_ptr(), out.data_ptr(), n, ctypes.byref(desc)))
+    return out
+
+
+def decode_pages_host(data: torch.Tensor, desc: CodecDesc, *,
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      lib: ctypes.CDLL | str | os.PathLike | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_pages` on the CPU (``tkv_decode_pages_host``; synchronous), bit-exact
+    with ``codec.decode_pages``.
+
+    data: [N, desc.page_bytes] uint8, CPU, contiguous.
+    Returns (or writes ``out``): K, V [N, KVH, P, D] float32, CPU ([KVH, P, D] = ``desc``'s)."""
+    (k, v), n = _decode_args(data, desc, out, host=True)
+    lib = _library(lib)
+    _raise_for_status(lib, "tkv_decode_pages_host",
+                      lib.tkv_decode_pages_host(data.data_ptr(), k.data_ptr(), v.data_ptr(), n, ctypes.byref(desc)))
+    return k, v
+
+
+# --- the ops on CUDA tensors ------------------------------------------------------------------
+
+
+def encode_pages(k: torch.Tensor, v: torch.Tensor, desc: CodecDesc, *, out: torch.Tensor | None = None,
+                 lib: ctypes.CDLL | str | os.PathLike | None = None) -> torch.Tensor:
+    """KV page encode (``tkv_encode_pages``), bit-exact with ``codec.encode_pages``.
+
+    k, v: [N, KVH, P, D] float32, CUDA, contiguous; [KVH, P, D] = ``desc``'s page shape.
+    desc: :func:`codec_desc` of the codec and that page shape.
+    Returns (or writes ``out``): [N, desc.page_bytes] uint8 on k's device, the encoded pages
+    (alignment padding zeroed)."""
+    out, n = _encode_args(k, v, desc, out, host=False)
+    lib = _library(lib)
+    _launch(lib, "tkv_encode_pages", k.device, k.data_ptr(), v.data_ptr(), out.data_ptr(), n, ctypes.byref(desc))
+    return out
+
+
+def decode_pages(data: torch.Tensor, desc: CodecDesc, *, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 lib: ctypes.CDLL | str | os.PathLike | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV page decode (``tkv_decode_pages``), bit-exact with ``codec.decode_pages``.
+
+    data: [N, desc.page_bytes] uint8, CUDA, contiguous (pages from :func:`encode_pages`).
+    Returns (or writes ``out``): K, V [N, KVH, P, D] float32 on data's device, [KVH, P, D] =
+    ``desc``'s page shape."""
+    (k, v), n = _decode_args(data, desc, out, host=False)
+    lib = _library(lib)
+    _launch(lib, "tkv_decode_pages", data.device, data.data_ptr(), k.data_ptr(), v.data_ptr(), n, ctypes.byref(desc))
+    return k, v
+
+
+def _attention_args(q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, out):
+    """Checks TieredAttention's tensors but their device; returns (sizes (B, H, T, D, C, KVH, P, M),
+    (out, lse, page_probs), the (name, tensor) pairs for :func:`_device`)."""
+    b, h, t, d = _arg("q", q, torch.float32, "[B, H, T, D]", (None,) * 4)
+    c, kvh, p, _ = _arg("k_pool", k_pool, torch.float32, "[C, KVH, P, D]", (None, None, None, d))
+    _arg("v_pool", v_pool, torch.float32, "[C, KVH, P, D]", k_pool.shape)
+    m = _arg("page_table", page_table, torch.int64, "[B, M]", (b, None))[1]
+    _arg("page_mask", page_mask, torch.bool, "[B, M]", (b, m))
+    _arg("page_index", page_index, torch.int64, "[B, M]", (b, m))
+    _arg("seq_len", seq_len, torch.int64, "[B]", (b,))
+    _arg("past", past, torch.int64, "[B]", (b,))
+    _heads(h, kvh, d)
+    if p <= 0:
+        raise ValueError(f"k_pool: page size P = {p}; expected P > 0")
+    if out is None:
+        out = (torch.empty_like(q), torch.empty(b, h, t, device=q.device), torch.empty(b, h, t, m, device=q.device))
+    o, lse, probs = _outputs(out, ("out", "lse", "page_probs"))
+    _arg("out[0] (out)", o, torch.float32, "[B, H, T, D]", q.shape)
+    _arg("out[1] (lse)", lse, torch.float32, "[B, H, T]", (b, h, t))
+    _arg("out[2] (page_probs)", probs, torch.float32, "[B, H, T, M]", (b, h, t, m))
+    named = (("q", q), ("k_pool", k_pool), ("v_pool", v_pool), ("page_table", page_table), ("page_mask", page_mask),
+             ("page_index", page_index), ("seq_len", seq_len), ("past", past), ("out[0] (out)", o),
+             ("out[1] (lse)", lse), ("out[2] (page_probs)", probs))
+    return (b, h, t, d, c, kvh, p, m), (o, lse, probs), named
+
+
+def tiered_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
+                     page_mask: torch.Tensor, page_index: torch.Tensor, seq_len: torch.Tensor, past: torch.Tensor,
+                     *, scale: float | None = None,
+                     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                     lib: ctypes.CDLL | str | os.PathLike | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TieredAttention (``tkv_tiered_attention``): paged attention over the listed pages that
+    ``page_mask`` keeps; the reference is ``tieredkv.plugins.attention.tiered_attention``.
+
+    All tensors CUDA, on one device, contiguous (B sequences, H query heads, KVH kv heads, T
+    queries per sequence, D head dim <= 256, C pool pages, P page size, M listed pages):
+
+    * q [B, H, T, D] float32: query t of sequence b sits at position ``past[b] + t``; query
+      head h reads kv head ``h // (H // KVH)`` (H a multiple of KVH);
+    * k_pool, v_pool [C, KVH, P, D] float32: the page pool; slot o of a page holds one token;
+    * page_table [B, M] int64: pool page of each listed page (outside [0, C): treated as masked);
+    * page_mask [B, M] bool: False removes the page;
+    * page_index [B, M] int64: logical page index; slot o holds position ``page_index * P + o``;
+    * seq_len [B] int64: positions >= seq_len are empty;
+    * past [B] int64: query t sees position p iff ``p <= past + t``;
+    * scale: logit scale (default D ** -0.5).
+
+    Returns (or writes ``out``) float32 on q's device: out [B, H, T, D] (zeros for a query that
+    sees no key), lse [B, H, T] (log-sum-exp of the scaled logits; -inf when nothing is seen),
+    page_probs [B, H, T, M] (softmax mass on each listed page)."""
+    sizes, outs, named = _attention_args(q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, out)
+    device = _device(*named)
+    scale = sizes[3] ** -0.5 if scale is None else scale
+    lib = _library(lib)
+    ptrs = [x.data_ptr() for x in (q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, *outs)]
+    _launch(lib, "tkv_tiered_attention", device, *ptrs, *sizes, scale)
+    return outs
+
+
+def tiered_attention_warm(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
+                          page_mask: torch.Tensor, page_index: torch.Tensor, seq_len: torch.Tensor,
+                          past: torch.Tensor, warm_pool: torch.Tensor, warm_row: torch.Tensor, desc: CodecDesc, *,
+                          scale: float | None = None,
+                          out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                          lib: ctypes.CDLL | str | os.PathLike | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TieredAttention over the pools and warm (encoded) pages (``tkv_tiered_attention_warm``);
+    the reference is ``tiered_attention(..., warm_pool=, warm_row=, warm_codec=)``.
+
+    The arguments and returns of :func:`tiered_attention`, plus (CUDA, q's device, contiguous):
+
+    * warm_pool [W, desc.page_bytes] uint8: W pages encoded as by :func:`encode_pages`;
+    * warm_row [B, M] int64: warm-pool row of listed page m; < 0: the page is read from the
+      pools through page_table; >= W: treated as masked. A kept page with a row in [0, W) is
+      decoded per element on the fly (bit-exact with ``codec.decode_pages``);
+    * desc: :func:`codec_desc` of the warm codec for the pools' [KVH, P, D]."""
+    sizes, outs, named = _attention_args(q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, out)
+    b, _, _, d, _, kvh, p, m = sizes
+    _desc(desc, kvh, p, d, of="the pools [C, KVH, P, D]")
+    w = _arg("warm_pool", warm_pool, torch.uint8, "[W, page_bytes]", (None, desc.page_bytes))[0]
+    _arg("warm_row", warm_row, torch.int64, "[B, M]", (b, m))
+    device = _device(*named, ("warm_pool", warm_pool), ("warm_row", warm_row))
+    scale = sizes[3] ** -0.5 if scale is None else scale
+    lib = _library(lib)
+    ptrs = [x.data_ptr() for x in (q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, *outs)]
+    _launch(lib, "tkv_tiered_attention_warm", device, *ptrs, *sizes, scale, warm_pool.data_ptr(),
+            warm_row.data_ptr(), w, ctypes.byref(desc))
+    return outs
+
+
+def kv_append(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+              slot: torch.Tensor, offset: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+              lib: ctypes.CDLL | str | os.PathLike | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """KVAppend (``tkv_kv_append``): the pools with token n written at
+    ``[slot[n], :, offset[n], :]``, bit-exact; the reference is ``onnx_ops.kv_append``.
+
+    All tensors CUDA, on one device, contiguous, one dtype of 1, 2, 4 or 8 bytes for the pools
+    and new tokens (float32, float16, bfloat16, ...):
+
+    * k_pool, v_pool [C, KVH, P, D];
+    * k_new, v_new [N, KVH, D] (k_pool's dtype);
+    * slot, offset [N] int64: page and slot of token n (out of range: the token is skipped).
+
+    Returns (or writes ``out``) k_pool_out, v_pool_out [C, KVH, P, D]: by default fresh copies of
+    the pools, then the scatter; ``out=(k_pool, v_pool)`` appends in place (scatter only)."""
+    c, kvh, p, d = _arg("k_pool", k_pool, None, "[C, KVH, P, D]", (None,) * 4)
+    _arg("v_pool", v_pool, k_pool.dtype, "[C, KVH, P, D]", k_pool.shape)
+    n = _arg("k_new", k_new, k_pool.dtype, "[N, KVH, D]", (None, kvh, d))[0]
+    _arg("v_new", v_new, k_pool.dtype, "[N, KVH, D]", k_new.shape)
+    _arg("slot", slot, torch.int64, "[N]", (n,))
+    _arg("offset", offset, torch.int64, "[N]", (n,))
+    if out is None:
+        out = (torch.empty_like(k_pool), torch.empty_like(v_pool))
+    k_out, v_out = _outputs(out, ("k_pool_out", "v_pool_out"))
+    _arg("out[0] (k_pool_out)", k_out, k_pool.dtype, "[C, KVH, P, D]", k_pool.shape)
+    _arg("out[1] (v_pool_out)", v_out, k_pool.dtype, "[C, KVH, P, D]", k_pool.shape)
+    device = _device(("k_pool", k_pool), ("v_pool", v_pool), ("k_new", k_new), ("v_new", v_new), ("slot", slot),
+                     ("offset", offset), ("out[0] (k_pool_out)", k_out), ("out[1] (v_pool_out)", v_out))
+    lib = _library(lib)
+    ptrs = [x.data_ptr() for x in (k_pool, v_pool, k_new, v_new, slot, offset, k_out, v_out)]
+    _launch(lib, "tkv_kv_append", device, *ptrs, c, kvh, p, d, n, k_pool.element_size())
+    return k_out, v_out
+
+
+def importance_score(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_tokens: torch.Tensor,
+                     distance: torch.Tensor, saliency: torch.Tensor, page_mask: torch.Tensor,
+                     position_table: torch.Tensor, weights: Sequence[float], *, scale: float | None = None,
+                     out: torch.Tensor | None = None,
+                     lib: ctypes.CDLL | str | os.PathLike | None = None) -> torch.Tensor:
+    """ImportanceScore (``tkv_importance_score``): the mixed importance of each listed page; the
+    reference is ``tieredkv.plugins.importance.importance_score``.
+
+    All tensors CUDA, on one device, contiguous (D <= 256, H a multiple of KVH):
+
+    * q [B, H, D] float32: the query the step attends with (the last new token's);
+    * kmin, kmax [B, M, KVH, D] float32: per-channel key bounds of each page;
+    * page_tokens [B, M] int64: tokens written in the page;
+    * distance [B, M] int64: query position minus the page's last token position;
+    * saliency [B, M] float32 in [0, 1];
+    * page_mask [B, M] bool;
+    * position_table [NB] float32, NB > 0: the position value of each distance bucket;
+    * weights: (relevance, position, saliency), three floats;
+    * scale: logit scale of the relevance (default D ** -0.5).
+
+    Returns (or writes ``out``): score [B, M] float32 on q's device (0 where page_mask is False)."""
+    b, h, d = _arg("q", q, torch.float32, "[B, H, D]", (None,) * 3)
+    m, kvh = _arg("kmin", kmin, torch.float32, "[B, M, KVH, D]", (b, None, None, d))[1:3]
+    _arg("kmax", kmax, torch.float32, "[B, M, KVH, D]", kmin.shape)
+    _arg("page_tokens", page_tokens, torch.int64, "[B, M]", (b, m))
+    _arg("distance", distance, torch.int64, "[B, M]", (b, m))
+    _arg("saliency", saliency, torch.float32, "[B, M]", (b, m))
+    _arg("page_mask", page_mask, torch.bool, "[B, M]", (b, m))
+    nb = _arg("position_table", position_table, torch.float32, "[NB]", (None,))[0]
+    if nb <= 0:
+        raise ValueError("position_table: expected at least one bucket, got an empty tensor")
+    _heads(h, kvh, d)
+    if len(weights) != 3:
+        raise ValueError(f"weights: expected (relevance, position, saliency), got {len(weights)} values")
+    scale = d ** -0.5 if scale is None else scale
+    if out is None:
+        out = torch.empty(b, m, device=q.device)
+    _arg("out", out, torch.float32, "[B, M]", (b, m))
+    device = _device(("q", q), ("kmin", kmin), ("kmax", kmax), ("page_tokens", page_tokens), ("distance", distance),
+                     ("saliency", saliency), ("page_mask", page_mask), ("position_table", position_table),
+                     ("out", out))
+    lib = _library(lib)
+    ptrs = [x.data_ptr() for x in (q, kmin, kmax, page_tokens, distance, saliency, page_mask, position_table, out)]
+    _launch(lib, "tkv_importance_score", device, *ptrs, b, h, d, m, kvh, nb, *(float(w) for w in weights), scale)
+    return out
