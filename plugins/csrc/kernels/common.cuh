@@ -47,6 +47,32 @@ __device__ __forceinline__ void softmax_merge(float& m, float& s, float m2, floa
     m = mx;
 }
 
+//! Merge every warp's running (max, denominator) of an online softmax into the block's and
+//! return it to all threads. Lane 0 of each warp contributes its pair; every thread of the
+//! block must call it (it synchronizes twice), at most once per kernel invocation.
+template <int kWarps>
+__device__ __forceinline__ void block_softmax_stats(float run_max, float run_den, int warp, int lane, float& mx,
+                                                    float& den) {
+    __shared__ float warp_max[kWarps];
+    __shared__ float warp_den[kWarps];
+    __shared__ float block_stats[2];
+    if (lane == 0) {
+        warp_max[warp] = run_max;
+        warp_den[warp] = run_den;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float m = -INFINITY;
+        float s = 0.f;
+        for (int w = 0; w < kWarps; ++w) softmax_merge(m, s, warp_max[w], warp_den[w]);
+        block_stats[0] = m;
+        block_stats[1] = s;
+    }
+    __syncthreads();
+    mx = block_stats[0];
+    den = block_stats[1];
+}
+
 //! Number of blocks of `threads` covering `n` items, capped for a grid-stride loop.
 inline unsigned int grid_for(int64_t n, int threads) {
     const int64_t blocks = (n + threads - 1) / threads;

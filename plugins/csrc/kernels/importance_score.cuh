@@ -31,9 +31,6 @@ __global__ void __launch_bounds__(kScoreWarps * kWarpSize)
 relevance_share_kernel(const float* __restrict__ q, const float* __restrict__ kmin, const float* __restrict__ kmax,
                        const int64_t* __restrict__ page_tokens, const uint8_t* __restrict__ page_mask,
                        float* __restrict__ share, int64_t H, int D, int64_t M, int64_t KVH, float scale) {
-    __shared__ float warp_max[kScoreWarps];
-    __shared__ float warp_den[kScoreWarps];
-    __shared__ float block_stats[2];
 
     const int64_t b = blockIdx.x / H;
     const int64_t h = blockIdx.x % H;
@@ -59,21 +56,8 @@ relevance_share_kernel(const float* __restrict__ q, const float* __restrict__ km
         const float ub = page_upper_bound(qreg, summary(kmin, m), summary(kmax, m), tokens_row[m], D, lane);
         softmax_merge(run_max, run_den, ub, 1.f);
     }
-    if (lane == 0) {
-        warp_max[warp] = run_max;
-        warp_den[warp] = run_den;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float mx = -INFINITY;
-        float den = 0.f;
-        for (int w = 0; w < kScoreWarps; ++w) softmax_merge(mx, den, warp_max[w], warp_den[w]);
-        block_stats[0] = mx;
-        block_stats[1] = den;
-    }
-    __syncthreads();
-    const float mx = block_stats[0];
-    const float den = block_stats[1];
+    float mx, den;
+    block_softmax_stats<kScoreWarps>(run_max, run_den, warp, lane, mx, den);
     if (den <= 0.f) return;  // no kept page: every share stays 0
     for (int64_t m = warp; m < M; m += kScoreWarps) {
         if (!mask_row[m]) continue;

@@ -51,9 +51,6 @@ tiered_attention_kernel(const float* __restrict__ q, const float* __restrict__ k
                         float* __restrict__ out, float* __restrict__ lse, float* __restrict__ page_probs,
                         int64_t H, int64_t T, int D, int64_t C, int64_t KVH, int64_t P, int64_t M, float scale,
                         Warm warm) {
-    __shared__ float warp_max[kAttentionWarps];
-    __shared__ float warp_den[kAttentionWarps];
-    __shared__ float block_stats[2];
     __shared__ float partial_out[kAttentionWarps][kMaxHeadDim];
 
     const int64_t query = blockIdx.x;  // ((b * H) + h) * T + t
@@ -119,21 +116,8 @@ tiered_attention_kernel(const float* __restrict__ q, const float* __restrict__ k
         const float* k_page = k_pool + (pool_page * KVH + kvh) * P * D;
         for (int64_t o = 0; o < n_visible; ++o) softmax_merge(run_max, run_den, logit_of(k_page, enc, o), 1.f);
     }
-    if (lane == 0) {
-        warp_max[warp] = run_max;
-        warp_den[warp] = run_den;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float mx = -INFINITY;
-        float den = 0.f;
-        for (int w = 0; w < kAttentionWarps; ++w) softmax_merge(mx, den, warp_max[w], warp_den[w]);
-        block_stats[0] = mx;
-        block_stats[1] = den;
-    }
-    __syncthreads();
-    const float mx = block_stats[0];
-    const float den = block_stats[1];  // 0 when the query sees no key
+    float mx, den;  // 0 when the query sees no key
+    block_softmax_stats<kAttentionWarps>(run_max, run_den, warp, lane, mx, den);
 
     // Pass 2: probabilities, page mass, output.
     float acc[kMaxPerLane];
