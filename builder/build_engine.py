@@ -44,6 +44,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script from a checkout: import the installed package's modules
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tieredkv.plugins.codec import DEFAULT_CODEC  # noqa: E402
 from tieredkv.errors import EngineBuildError, TieredKVError  # noqa: E402
 from tieredkv.runtime.engine import (  # noqa: E402
     CONFIG_FILE,
@@ -83,10 +84,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="largest allowed |logits(ORT) - logits(PyTorch)| in the verification (default 1e-3)")
     ap.add_argument("--external-data", action="store_true",
                     help=f"store the weights in {STEP_GRAPH}.data even below 2 GB (always done above)")
-    ap.add_argument("--warm-codec", default=None, metavar="CODEC",
+    ap.add_argument("--warm-codec", nargs="?", const=DEFAULT_CODEC, default=None, metavar="CODEC",
                     help="tiered graphs: also take each layer's warm (compressed) pool; TieredAttention reads those "
                          "pages from their encoded bytes (the runtime's --warm-codec: fp8, fp8-r2, int6-r2, int4, "
-                         "int4-g16, int2)")
+                         f"int4-g16, int2; bare: {DEFAULT_CODEC})")
     ap.add_argument("--selection-weights", type=float, nargs=3, default=[1.0, 0.0, 0.0],
                     metavar=("REL", "POS", "SAL"),
                     help="ImportanceScore mix that ranks pages for the attention budget (the runtime's "

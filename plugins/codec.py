@@ -83,6 +83,10 @@ CODECS: dict[str, CodecSpec] = {
     )
 }
 
+#: the codec a bare ``--warm-codec`` selects: the measured choice for capacity (2.82:1 vs
+#: float16 at +0.003 perplexity, passkey 10/10 with every cold page compressed;
+#: docs/benchmarks.md §3). int6-r2 is the choice for fidelity (1.85:1, indistinguishable).
+DEFAULT_CODEC = "int4"
 
 # ------------------------------------------------------------------------------ grouping
 def _to_groups(x: torch.Tensor, axis: str, group: int) -> torch.Tensor:

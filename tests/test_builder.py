@@ -385,3 +385,11 @@ def test_rebuild_command_carries_every_option():
                  "--precision bf16", "--plugin-library build/plugins/libtieredkv_trt_plugins.so", "--model <checkpoint>"):
         assert part in cmd, part
     assert parse_args(cmd.split()[2:]).selection_weights == [0.5, 0.25, 0.25]  # the command parses back
+
+
+def test_bare_warm_codec_selects_the_default_codec():
+    from tieredkv.builder.build_engine import parse_args
+    from tieredkv.plugins.codec import DEFAULT_CODEC
+
+    assert parse_args(["--tiered-kv", "--warm-codec", "--output", "e"]).warm_codec == DEFAULT_CODEC == "int4"
+    assert parse_args(["--tiered-kv", "--output", "e"]).warm_codec is None

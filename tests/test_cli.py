@@ -104,6 +104,11 @@ def test_generate_warm_codec_flags(tiny_gguf, capsys):
     assert d["tier_metrics"]["compressed_pages"] > 0 and "warm (compressed) sub-tier" in captured.err
     assert main(["generate", "--model", tiny_gguf, "--prompt", "x", "--warm-codec", "zstd"]) == 2
     assert "unknown warm_codec 'zstd'" in capsys.readouterr().err
+    # a bare --warm-codec selects the measured default codec (int4) at the default share
+    assert main(["generate", "--model", tiny_gguf, "--prompt", "the cat sat " * 40, "--max-new-tokens", "2",
+                 "--kv-budget", "60%", "--page-size", "8", "--warm-codec", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert d["kv_config"]["warm_codec"] == "int4" and d["kv_config"]["warm_fraction"] == 0.75
 
 
 def test_kv_config_file_and_errors(tiny_gguf, tmp_path, capsys):

@@ -296,6 +296,7 @@ def test_bad_budgets(bad):
     (dict(page_size=0), "page_size"),
     (dict(recent_tokens=-1), "recent_tokens"),
     (dict(warm_codec="zstd"), "unknown warm_codec 'zstd'"),
+    (dict(warm_codec=""), "unknown warm_codec ''"),
     (dict(warm_fraction=0.0), "warm_fraction"),
     (dict(kv_dtype="int8"), "kv_dtype"),
     (dict(score_weights=0.5), "score_weights must be a list of 3 numbers"),
@@ -338,6 +339,8 @@ def test_config_files(tmp_path):
     toml.write_text('[tiered_kv]\ndevice_budget = "25%"\npolicy = "h2o"\nscore_weights = [0.5, 0.25, 0.25]\n')
     cfg = TieredKVConfig.from_file(toml)
     assert cfg.policy == "h2o" and cfg.score_weights == (0.5, 0.25, 0.25)
+    toml.write_text('warm_codec = "default"\n')
+    assert TieredKVConfig.from_file(toml).warm_codec == "int4"  # codec.DEFAULT_CODEC
     yml = tmp_path / "kv.yaml"
     yml.write_text("mode: masked\nattention_budget: 1024\n")
     assert TieredKVConfig.from_file(yml).mode == "masked"

@@ -74,11 +74,12 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", default=None, help="replacement policy (default lfu-importance); see docs/tiers.md")
     g.add_argument("--mode", default=None, choices=["exact", "masked"],
                    help="exact: fetch a needed non-resident page before use; masked: skip it and count the miss")
-    g.add_argument("--warm-codec", default=None,
+    g.add_argument("--warm-codec", nargs="?", const="default", default=None, metavar="CODEC",
                    help="compress cold device pages with this KV codec (fp8, fp8-r2, int6-r2, int4, int4-g16, "
-                        "int2, fp8-r2-delta; docs/codec.md) in a warm share of the device budget")
+                        "int2, fp8-r2-delta; docs/codec.md) in a warm share of the device budget; bare: the "
+                        "measured default, int4")
     g.add_argument("--warm-fraction", type=float, default=None,
-                   help="share of the device budget beyond T0 that holds compressed pages (default 0.5)")
+                   help="share of the device budget beyond T0 that holds compressed pages (default 0.75)")
     g.add_argument("--kv-dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="dtype the tiered cache stores pages in (default: the model's)")
     g.add_argument("--kv-config", default=None, help="TieredKVConfig as TOML or YAML; flags override its values")
