@@ -11,7 +11,7 @@ from tieredkv.models.cache import ContiguousKVCache
 from tieredkv.models.loading import load_checkpoint
 from tieredkv.runtime.eval.data import load_text
 from tieredkv.runtime.eval.harness import CacheMethod
-from tieredkv.runtime.eval.passkey import INSTRUCTION, NEEDLE, build_prompt, depths, passkey
+from tieredkv.runtime.eval.passkey import INSTRUCTION, NEEDLE, build_prompt, depths, passkey, run_trial, trial_prompts
 from tieredkv.runtime.eval.perplexity import perplexity
 from tieredkv.runtime.paged import PagedCacheConfig, PagedKVCache
 
@@ -100,6 +100,11 @@ def test_passkey_runs_and_scores(tiny):
     assert [r.depth for r in res.results] == [0.0, 0.5, 1.0]
     assert all(r.logprob < 0 for r in res.results)
     assert res.accuracy == sum(r.correct for r in res.results) / 3
+    # a trial re-run alone (tools/eval/passkey_trial.py) is the same trial, scored the same way
+    prompts = list(trial_prompts(tok, hay, context=300, trials=3, seed=1))
+    assert [p.key for p in prompts] == [r.key for r in res.results]
+    again = run_trial(method(tiny.model), tok, prompts[1], context=300)
+    assert again == res.results[1]
 
 
 def test_missing_text_file(tmp_path):

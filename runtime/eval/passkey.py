@@ -16,7 +16,7 @@ import random
 import re
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
@@ -104,26 +104,38 @@ def depths(trials: int) -> list[float]:
     return [0.5] if trials == 1 else [i / (trials - 1) for i in range(trials)]
 
 
+def trial_prompts(tokenizer: Tokenizer, haystack: Sequence[int], *, context: int, trials: int,
+                  seed: int = 0) -> Iterator[PasskeyPrompt]:
+    """The prompts of ``trials`` trials, in order: ``seed`` draws each trial's key, then its
+    haystack offset (so trial i is the same whatever is measured on it)."""
+    rng = random.Random(seed)
+    for depth in depths(trials):
+        key = str(rng.randint(10000, 99999))
+        yield build_prompt(tokenizer, haystack, context=context, depth=depth, key=key, offset=rng.randrange(1 << 30))
+
+
+def run_trial(method: EvalMethod, tokenizer: Tokenizer, prompt: PasskeyPrompt, *, context: int) -> PasskeyTrial:
+    """One trial: open the (compressed) context, score the key teacher-forced, then answer greedily."""
+    session = method.open(prompt.context, total_tokens=context + len(prompt.answer) + 4)
+    try:
+        lp = session.logprobs(prompt.question + prompt.answer)[len(prompt.question):]
+        gen = session.greedy(prompt.question, max_new_tokens=len(prompt.answer) + 4)
+    finally:
+        session.close()
+    answer = tokenizer.decode(gen)
+    found = re.search(r"\d+", answer)
+    return PasskeyTrial(prompt.depth, prompt.key, answer, bool(found and found.group() == prompt.key),
+                        float(lp.sum()))
+
+
 def passkey(method: EvalMethod, tokenizer: Tokenizer, haystack: Sequence[int], *, context: int, trials: int,
             seed: int = 0, progress: bool = True) -> PasskeyResult:
-    rng = random.Random(seed)
     t0 = time.perf_counter()
     results = []
-    bar = tqdm(depths(trials), desc=f"passkey[{method.name}]@{context}", unit="trial", disable=not progress,
-               leave=False)
-    for depth in bar:
-        key = str(rng.randint(10000, 99999))
-        prompt = build_prompt(tokenizer, haystack, context=context, depth=depth, key=key,
-                              offset=rng.randrange(1 << 30))
-        session = method.open(prompt.context, total_tokens=context + len(prompt.answer) + 4)
-        try:
-            lp = session.logprobs(prompt.question + prompt.answer)[len(prompt.question):]
-            gen = session.greedy(prompt.question, max_new_tokens=len(prompt.answer) + 4)
-        finally:
-            session.close()
-        answer = tokenizer.decode(gen)
-        found = re.search(r"\d+", answer)
-        results.append(PasskeyTrial(depth, key, answer, bool(found and found.group() == key), float(lp.sum())))
+    bar = tqdm(trial_prompts(tokenizer, haystack, context=context, trials=trials, seed=seed), total=trials,
+               desc=f"passkey[{method.name}]@{context}", unit="trial", disable=not progress, leave=False)
+    for prompt in bar:
+        results.append(run_trial(method, tokenizer, prompt, context=context))
         bar.set_postfix(acc=f"{sum(r.correct for r in results)}/{len(results)}")
     return PasskeyResult(
         method=method.describe(), context=context, trials=trials,
