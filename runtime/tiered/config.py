@@ -105,8 +105,9 @@ class TieredKVConfig:
 
     Warm sub-tier of T2 (issue #4): with ``warm_codec`` set (a name of
     ``tieredkv.plugins.codec.CODECS``, or ``"default"`` for ``codec.DEFAULT_CODEC``, int4)
-    and a device budget, ``warm_fraction`` of the resident bytes beyond T0's reservation hold pages encoded with the codec; cold pages
-    (the replacement policy's victims, and pages demoted at window boundaries) are
+    and a device budget, ``warm_fraction`` of the resident bytes beyond T0's reservation
+    hold pages encoded with the codec; cold pages (the replacement policy's victims, and
+    pages demoted at window boundaries) are
     compressed into it instead of leaving the device (default share 0.75: the measured
     end-to-end setting, docs/benchmarks.md §3). ``kv_dtype`` stores pages in another
     dtype than the model computes in (``float16`` is the deployment dtype; budgets count
@@ -192,7 +193,8 @@ class TieredKVConfig:
             if self.warm_codec == "default":
                 object.__setattr__(self, "warm_codec", DEFAULT_CODEC)
             if self.warm_codec not in CODECS:
-                raise ConfigError(f"unknown warm_codec {self.warm_codec!r}; expected one of {sorted(CODECS)} or 'default'")
+                raise ConfigError(f"unknown warm_codec {self.warm_codec!r}; expected one of {sorted(CODECS)} "
+                                  "or 'default'")
         if not isinstance(self.warm_fraction, (int, float)) or not 0.0 < self.warm_fraction <= 1.0:
             raise ConfigError(f"warm_fraction must be in (0, 1], got {self.warm_fraction!r}")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
