@@ -6,11 +6,12 @@ from tieredkv.plugins.attention import attention_over_pages, merge_attention, ti
 from tieredkv.plugins.importance import (
     cosine_position_init,
     distance_bucket,
+    head_rank_relevance,
     importance_score,
     position_value,
     quest_upper_bound,
     relevance,
 )
 
-__all__ = ["attention_over_pages", "merge_attention", "tiered_attention", "cosine_position_init", "distance_bucket", "importance_score", "position_value",
-           "quest_upper_bound", "relevance"]
+__all__ = ["attention_over_pages", "merge_attention", "tiered_attention", "cosine_position_init", "distance_bucket",
+           "head_rank_relevance", "importance_score", "position_value", "quest_upper_bound", "relevance"]

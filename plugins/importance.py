@@ -59,15 +59,38 @@ def quest_upper_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -
     hi = kmax.float().permute(0, 2, 3, 1)
     return (torch.relu(qg) @ hi - torch.relu(-qg) @ lo).reshape(b, h, -1)
 
+def bound_logits(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_tokens: torch.Tensor,
+                 page_mask: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    """Per head, the upper bound of each page's attention logit plus log(tokens in the page)
+    (the bound of the page's log-sum-exp): [B, H, M], -inf where ``page_mask`` is False."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    ub = quest_upper_bound(q, kmin, kmax) * scale + torch.log(page_tokens.float().clamp(min=1)).unsqueeze(1)
+    return ub.masked_fill(~page_mask.unsqueeze(1), float("-inf"))
+
+
 def relevance(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_tokens: torch.Tensor,
               page_mask: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
     """Estimated attention share of each page for the current query, normalized so the
     best page is 1. Returns [B, M] (0 where ``page_mask`` is False)."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    ub = quest_upper_bound(q, kmin, kmax) * scale + torch.log(page_tokens.float().clamp(min=1)).unsqueeze(1)
-    ub = ub.masked_fill(~page_mask.unsqueeze(1), float("-inf"))
+    ub = bound_logits(q, kmin, kmax, page_tokens, page_mask, scale=scale)
     share = torch.softmax(ub, dim=-1).nan_to_num(0.0).amax(dim=1)  # [B, M]
     return share / share.amax(dim=-1, keepdim=True).clamp(min=1e-30)
+
+
+def head_rank_relevance(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_tokens: torch.Tensor,
+                        page_mask: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    """Selection ranking that gives every query head a place in the attention budget
+    (Quest selects per head; here a layer's heads share its pages): each head ranks the
+    pages by its bound (``bound_logits``; ties: lower page first), and a page scores
+    1 - (its best rank over the heads) / M. The top k pages by this score are the union of
+    every head's top j pages for the largest j that fits, ties by page index.
+    Returns [B, M] in (0, 1] for kept pages, 0 where ``page_mask`` is False."""
+    ub = bound_logits(q, kmin, kmax, page_tokens, page_mask, scale=scale)
+    m = ub.shape[-1]
+    order = torch.sort(ub, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(m).expand_as(order))
+    score = 1.0 - rank.amin(dim=1).float() / m
+    return torch.where(page_mask, score, torch.zeros_like(score))
 
 
 def importance_score(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_tokens: torch.Tensor,

@@ -128,6 +128,10 @@ class _Backend(abc.ABC):
         if cfg.page_size != eng.page_size:
             raise ConfigError(f"page_size {cfg.page_size} of the KV config does not match the engine's "
                               f"{eng.page_size} ({eng.path}); set page_size = {eng.page_size} or rebuild the engine")
+        if cfg.selection_aggregate != "share":
+            raise ConfigError(f"selection_aggregate {cfg.selection_aggregate!r} runs in the PyTorch backend only: the "
+                              f"engine's ImportanceScore nodes ({eng.path}) rank pages by their largest share over "
+                              "the heads; use selection_aggregate = 'share' with an engine")
         if eng.tiered_kv and tuple(cache.selection_weights) != eng.selection_weights:
             raise ConfigError(f"selection_weights {tuple(cache.selection_weights)} do not match the engine's "
                               f"{eng.selection_weights} (baked into its ImportanceScore nodes); rebuild with "

@@ -132,11 +132,12 @@ def test_eval_passkey_with_tiered_flags_and_attention_budget(tiny_gguf, tmp_path
     text.write_text("the sun rose over the sea and the cat sat on the mat. " * 60)
     argv = ["eval", "passkey", "--model", tiny_gguf, "--haystack-file", str(text), "--context", "400", "--trials", "2",
             "--kv-budget", "50%", "--attention-budget", "25%", "--mode", "masked", "--policy", "lru", "--page-size",
-            "8", "--stats", "--json"]
+            "8", "--selection-aggregate", "head-rank", "--stats", "--json"]
     assert main(argv) == 0
     captured = capsys.readouterr()
     d = json.loads(captured.out.strip().splitlines()[-1])
     assert d["method"]["policy"] == "lru" and d["method"]["mode"] == "masked"
+    assert d["method"]["selection_aggregate"] == "head-rank"
     stats = d["stats"]
     assert stats["sessions"] == 2 and stats["decode_steps"] > 0 and stats["pages_per_tier"]["T3"] > 0
     assert len(stats["resident_bytes_series"]) > 0 and stats["resident_bytes_series_stride"] >= 1

@@ -8,6 +8,7 @@ import torch
 from tieredkv.plugins import (
     cosine_position_init,
     distance_bucket,
+    head_rank_relevance,
     importance_score,
     merge_attention,
     quest_upper_bound,
@@ -108,6 +109,41 @@ def test_relevance_and_score_ranges():
     score = importance_score(q, kmin, kmax, tokens, torch.arange(10).expand(2, -1) * 100,
                              torch.rand(2, 10, generator=gen), mask, table, (0.4, 0.3, 0.3))
     assert (score >= 0).all() and (score <= 1).all() and (score[1, 7:] == 0).all()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_head_rank_selection_is_the_union_of_every_heads_top_pages(seed):
+    """Top k by head_rank_relevance = the union of each head's top j pages (by its bound)
+    for the largest j whose union fits in k, topped up by the next ranks; masked pages 0."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, KVH, D, M = 2, 6, 3, 8, 23
+    kmin = torch.randn(B, M, KVH, D, generator=gen)
+    kmax = kmin + torch.rand(B, M, KVH, D, generator=gen)
+    q = torch.randn(B, H, D, generator=gen)
+    tokens = torch.randint(1, 17, (B, M), generator=gen)
+    mask = torch.rand(B, M, generator=gen) > 0.2
+    score = head_rank_relevance(q, kmin, kmax, tokens, mask)
+    assert (score[~mask] == 0).all() and (score[mask] > 0).all() and (score <= 1).all()
+    ub = quest_upper_bound(q, kmin, kmax) / math.sqrt(D) + torch.log(tokens.float()).unsqueeze(1)
+    for b in range(B):
+        kept = mask[b].nonzero().flatten().tolist()
+        per_head = [sorted(kept, key=lambda m: (-float(ub[b, h, m]), m)) for h in range(H)]
+        assert all(float(score[b, ranked[0]]) == 1.0 for ranked in per_head)  # every head's best page
+        for k in (1, 4, 9, len(kept)):
+            top = set(torch.topk(score[b], k).indices.tolist())
+            j = max(j for j in range(len(kept) + 1) if len({m for r in per_head for m in r[:j]}) <= k)
+            assert {m for r in per_head for m in r[:j]} <= top
+
+
+def test_head_rank_with_one_head_orders_by_the_bound():
+    gen = torch.Generator().manual_seed(9)
+    kmin = torch.randn(1, 12, 1, 4, generator=gen)
+    kmax = kmin + torch.rand(1, 12, 1, 4, generator=gen)
+    q = torch.randn(1, 1, 4, generator=gen)
+    tokens = torch.full((1, 12), 4)
+    mask = torch.ones(1, 12, dtype=torch.bool)
+    by_rank = torch.argsort(head_rank_relevance(q, kmin, kmax, tokens, mask)[0], descending=True)
+    assert torch.equal(by_rank, torch.argsort(relevance(q, kmin, kmax, tokens, mask)[0], descending=True))
 
 
 def test_distance_buckets():

@@ -290,6 +290,7 @@ def test_bad_budgets(bad):
 @pytest.mark.parametrize("bad,match", [
     (dict(policy="fifo"), "unknown policy 'fifo'"),
     (dict(mode="lazy"), "mode must be one of"),
+    (dict(selection_aggregate="mean"), "selection_aggregate must be one of"),
     (dict(promote_score=1.5), "promote_score"),
     (dict(demote_score=0.8, promote_score=0.7), "demote_score"),
     (dict(score_weights=(0.5, 0.5, 0.5)), "score_weights"),
@@ -358,6 +359,35 @@ def test_config_files(tmp_path):
     toml.write_text('policy = ["lru"]\n')
     with pytest.raises(ConfigError, match=f"{toml}: policy must be a string"):
         TieredKVConfig.from_file(toml)
+
+
+def test_head_rank_selection():
+    """selection_aggregate = "head-rank": unlimited budgets equal the paged cache; under an
+    attention budget it attends other pages than "share" (same count), and the cache keeps
+    its invariants; engines refuse it (test_engine_backend)."""
+    cache = TieredKVCache(MODEL.kv_spec(), TieredKVConfig(selection_aggregate="head-rank", **SMALL))
+    assert [c.token_ids for c in run(cache)] == REF
+    tokens = torch.randint(0, 512, (180,), generator=torch.Generator().manual_seed(4))
+    attended = {}
+    for agg in ("share", "head-rank"):
+        cfg = TieredKVConfig(device_budget="30%", attention_budget="20%", selection_aggregate=agg, **SMALL)
+        steps = []
+
+        class Recorder:  # the cache hands every step's access record to its recorder
+            def record(self, cache, step, access, *, decode):
+                if decode:
+                    steps.append({tuple(x) for x in access.needed.nonzero().tolist()})  # (layer, page) attended
+
+        cache = TieredKVCache(MODEL.kv_spec(), cfg, full_tokens=200, recorder=Recorder())
+        sid = cache.add_sequence()
+        prefill(MODEL, cache, sid, tokens[:150], chunk_size=64)
+        for i in range(150, 160):
+            prefill(MODEL, cache, sid, tokens[i : i + 1], start_pos=i, chunk_size=1)
+        cache.mgr.check_invariants()
+        assert len(steps) == 10
+        attended[agg] = steps
+    assert [len(x) for x in attended["share"]] == [len(x) for x in attended["head-rank"]]  # the same budget...
+    assert attended["share"] != attended["head-rank"]  # ... spent on other pages
 
 
 def test_exact_mode_output_does_not_depend_on_the_policy():

@@ -74,6 +74,9 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", default=None, help="replacement policy (default lfu-importance); see docs/tiers.md")
     g.add_argument("--mode", default=None, choices=["exact", "masked"],
                    help="exact: fetch a needed non-resident page before use; masked: skip it and count the miss")
+    g.add_argument("--selection-aggregate", default=None, choices=["share", "head-rank"],
+                   help="how a decode step's page ranking combines the query heads: share (default) or head-rank "
+                        "(every head's top pages in; PyTorch backend only)")
     g.add_argument("--warm-codec", nargs="?", const="default", default=None, metavar="CODEC",
                    help="compress cold device pages with this KV codec (fp8, fp8-r2, int6-r2, int4, int4-g16, "
                         "int2, fp8-r2-delta; docs/codec.md) in a warm share of the device budget; bare: the "
@@ -93,7 +96,7 @@ def _kv_config(args: argparse.Namespace, loaded=None):
 
     flags = {"device_budget": args.kv_budget, "attention_budget": args.attention_budget, "policy": args.policy,
              "mode": args.mode, "warm_codec": args.warm_codec, "warm_fraction": args.warm_fraction,
-             "kv_dtype": args.kv_dtype}
+             "kv_dtype": args.kv_dtype, "selection_aggregate": args.selection_aggregate}
     engine = getattr(loaded.model, "engine", None) if loaded is not None else None
     if engine is None and args.kv_config is None and not args.stats and all(v is None for v in flags.values()):
         return None

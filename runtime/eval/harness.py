@@ -175,5 +175,7 @@ def tiered_method(model: Llama, config, *, name: str | None = None, prefill_chun
         info.update(warm_codec=config.warm_codec, warm_fraction=config.warm_fraction)
     if config.kv_dtype:
         info["kv_dtype"] = config.kv_dtype
+    if config.selection_aggregate != "share":
+        info["selection_aggregate"] = config.selection_aggregate
     return CacheMethod(model, lambda total: TieredKVCache(spec, config, full_tokens=total), name=label,
                        prefill_chunk=prefill_chunk, teacher_forcing_chunk=1, info=info)

@@ -227,7 +227,12 @@ class TieredKVCache(KVCache):
             t_sel = time.perf_counter()
             resident = mgr.resident(layer, rows)
             if decode:
-                selected = self._select(self.scorer.mix(rel, pos, sal, self.selection_weights), t0)
+                rank = rel
+                if self.config.selection_aggregate == "head-rank":
+                    rank = self.scorer.head_rank(layer, q[b : b + 1, :, -1], mgr.kmin[layer, rows].unsqueeze(0),
+                                                 mgr.kmax[layer, rows].unsqueeze(0), ctx["tokens"].unsqueeze(0),
+                                                 cand.unsqueeze(0))[0]
+                selected = self._select(self.scorer.mix(rank, pos, sal, self.selection_weights), t0)
                 attended = selected if self.config.mode == "exact" else selected & resident
             else:
                 selected = attended = torch.ones_like(t0)

@@ -84,6 +84,8 @@ class Budget:
 
 
 MODES = ("exact", "masked")
+#: how a step's page ranking for selection combines a layer's query heads
+SELECTION_AGGREGATES = ("share", "head-rank")
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -99,7 +101,11 @@ class TieredKVConfig:
     ``selection_weights`` mix the same signals into the ranking that picks the pages a
     decode step attends to. Default: relevance alone — the measured best for selection
     (docs/benchmarks.md: the position and saliency terms predict *future* attention, and
-    cost perplexity when they steer the current step). ``staging_pages``
+    cost perplexity when they steer the current step). ``selection_aggregate`` combines a
+    layer's query heads in that ranking: ``"share"`` (default) takes each page's largest
+    estimated attention share over the heads; ``"head-rank"`` its best per-head rank, so
+    every head gets its top pages in (Quest's per-head selection on pages the heads share;
+    PyTorch backend only, docs/benchmarks.md §2). ``staging_pages``
     of the device budget are a transit area through which non-resident pages are
     streamed (exact-mode misses, chunked prefill); they are never owned by a page.
 
@@ -127,6 +133,7 @@ class TieredKVConfig:
     mode: str = "exact"
     score_weights: tuple[float, float, float] = (0.4, 0.3, 0.3)
     selection_weights: tuple[float, float, float] = (1.0, 0.0, 0.0)
+    selection_aggregate: str = "share"
     lfu_importance_weights: tuple[float, float] = (0.6, 0.4)
     promote_accesses: int = 2
     promote_score: float = 0.7
@@ -139,7 +146,7 @@ class TieredKVConfig:
     kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("policy", "mode"):
+        for name in ("policy", "mode", "selection_aggregate"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
         for name in ("disk_path", "scorer_weights", "warm_codec", "kv_dtype"):
@@ -168,6 +175,9 @@ class TieredKVConfig:
                 raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.selection_aggregate not in SELECTION_AGGREGATES:
+            raise ConfigError(f"selection_aggregate must be one of {SELECTION_AGGREGATES}, got "
+                              f"{self.selection_aggregate!r}")
         from tieredkv.runtime.tiered.policies import POLICIES
 
         if self.policy not in POLICIES:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tieredkv.errors import ConfigError, CorruptCheckpointError
-from tieredkv.plugins.importance import cosine_position_init, position_value, relevance
+from tieredkv.plugins.importance import cosine_position_init, head_rank_relevance, position_value, relevance
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 
@@ -49,6 +49,12 @@ class ImportanceScorer(nn.Module):
         budget: T0 is attended anyway, and its sink pages would otherwise dominate the
         normalization); 0 for the others."""
         return relevance(q, kmin, kmax, page_tokens, candidates)
+
+    def head_rank(self, layer: int, q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                  page_tokens: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """The per-head rank ranking of the candidates for selection
+        (``selection_aggregate = "head-rank"``; tieredkv.plugins.importance.head_rank_relevance)."""
+        return head_rank_relevance(q, kmin, kmax, page_tokens, candidates)
 
     def positions(self, distance: torch.Tensor) -> torch.Tensor:
         """The position signal of every layer [L, ...] for token distances [...]."""

@@ -49,6 +49,10 @@ def rows() -> list[Row]:
     # Pages stored in float16 (the deployment dtype; the budget is a fraction of the float16 cache)
     out += [_row(f"tieredkv-exact-warm-{c}" + ("" if f == 0.75 else f"-f{f:g}"), mode="exact",
                  policy="lfu-importance", kv_dtype="float16", warm_codec=c, warm_fraction=f) for c, f in WARM_ROWS]
+    # per-head-rank selection (selection_aggregate = "head-rank", PyTorch backend only)
+    out += [_row("tieredkv-exact-headrank", mode="exact", policy="lfu-importance", selection_aggregate="head-rank"),
+            _row("tieredkv-exact-warm-int4-headrank", mode="exact", policy="lfu-importance", kv_dtype="float16",
+                 warm_codec="int4", warm_fraction=0.75, selection_aggregate="head-rank")]
     keep = os.environ.get("TIEREDKV_ROWS_FILTER")
     if keep:
         names = set(keep.split(","))
