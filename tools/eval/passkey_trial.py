@@ -40,6 +40,7 @@ def main() -> int:
     ap.add_argument("--attention-budget", default=None)
     ap.add_argument("--mode", default="exact", choices=["exact", "masked"])
     ap.add_argument("--policy", default="lfu-importance")
+    ap.add_argument("--selection-aggregate", default="share", choices=["share", "head-rank"])
     ap.add_argument("--warm-codec", default=None)
     ap.add_argument("--warm-fraction", type=float, default=0.75)
     ap.add_argument("--kv-dtype", default=None)
@@ -52,7 +53,7 @@ def main() -> int:
     WarmPool.memoize_decoded = True  # as in the quality table's rows: identical numerics
     cfg = TieredKVConfig(device_budget=args.budget, attention_budget=args.attention_budget, mode=args.mode,
                          policy=args.policy, warm_codec=args.warm_codec, warm_fraction=args.warm_fraction,
-                         kv_dtype=args.kv_dtype)
+                         kv_dtype=args.kv_dtype, selection_aggregate=args.selection_aggregate)
     loaded = load_checkpoint(resolve_model(args.model))
     model, tok = loaded.model, loaded.tokenizer
     ids = tok.encode(pg_essays_text(), add_bos=False)
