@@ -59,6 +59,7 @@ def quest_upper_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -
     hi = kmax.float().permute(0, 2, 3, 1)
     return (torch.relu(qg) @ hi - torch.relu(-qg) @ lo).reshape(b, h, -1)
 
+
 def bound_logits(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_tokens: torch.Tensor,
                  page_mask: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
     """Per head, the upper bound of each page's attention logit plus log(tokens in the page)
@@ -68,13 +69,27 @@ def bound_logits(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_t
     return ub.masked_fill(~page_mask.unsqueeze(1), float("-inf"))
 
 
+def share_of_bounds(ub: torch.Tensor) -> torch.Tensor:
+    """``relevance`` from ``bound_logits`` [B, H, M]: each page's largest estimated attention
+    share over the heads, normalized so the best page is 1; [B, M], 0 for masked pages."""
+    share = torch.softmax(ub, dim=-1).nan_to_num(0.0).amax(dim=1)  # [B, M]
+    return share / share.amax(dim=-1, keepdim=True).clamp(min=1e-30)
+
+
+def head_rank_of_bounds(ub: torch.Tensor, page_mask: torch.Tensor) -> torch.Tensor:
+    """``head_rank_relevance`` from ``bound_logits`` [B, H, M] and the page mask [B, M]."""
+    m = ub.shape[-1]
+    order = torch.sort(ub, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(m).expand_as(order))
+    score = 1.0 - rank.amin(dim=1).float() / m
+    return torch.where(page_mask, score, torch.zeros_like(score))
+
+
 def relevance(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_tokens: torch.Tensor,
               page_mask: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
     """Estimated attention share of each page for the current query, normalized so the
     best page is 1. Returns [B, M] (0 where ``page_mask`` is False)."""
-    ub = bound_logits(q, kmin, kmax, page_tokens, page_mask, scale=scale)
-    share = torch.softmax(ub, dim=-1).nan_to_num(0.0).amax(dim=1)  # [B, M]
-    return share / share.amax(dim=-1, keepdim=True).clamp(min=1e-30)
+    return share_of_bounds(bound_logits(q, kmin, kmax, page_tokens, page_mask, scale=scale))
 
 
 def head_rank_relevance(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_tokens: torch.Tensor,
@@ -85,12 +100,7 @@ def head_rank_relevance(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     1 - (its best rank over the heads) / M. The top k pages by this score are the union of
     every head's top j pages for the largest j that fits, ties by page index.
     Returns [B, M] in (0, 1] for kept pages, 0 where ``page_mask`` is False."""
-    ub = bound_logits(q, kmin, kmax, page_tokens, page_mask, scale=scale)
-    m = ub.shape[-1]
-    order = torch.sort(ub, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(m).expand_as(order))
-    score = 1.0 - rank.amin(dim=1).float() / m
-    return torch.where(page_mask, score, torch.zeros_like(score))
+    return head_rank_of_bounds(bound_logits(q, kmin, kmax, page_tokens, page_mask, scale=scale), page_mask)
 
 
 def importance_score(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_tokens: torch.Tensor,

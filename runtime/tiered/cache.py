@@ -220,18 +220,15 @@ class TieredKVCache(KVCache):
             t_score = time.perf_counter()
             sal = self._saliency(layer, ctx)
             cand = ~t0 if not t0.all() else t0
-            rel = self.scorer.relevance(layer, q[b : b + 1, :, -1], mgr.kmin[layer, rows].unsqueeze(0),
-                                        mgr.kmax[layer, rows].unsqueeze(0), ctx["tokens"].unsqueeze(0),
-                                        cand.unsqueeze(0))[0]
+            rel, rank = self.scorer.relevance_and_rank(
+                layer, q[b : b + 1, :, -1], mgr.kmin[layer, rows].unsqueeze(0), mgr.kmax[layer, rows].unsqueeze(0),
+                ctx["tokens"].unsqueeze(0), cand.unsqueeze(0),
+                head_rank=decode and self.config.selection_aggregate == "head-rank")
+            rel, rank = rel[0], rank[0]
             pos = ctx["pos"][layer]
             t_sel = time.perf_counter()
             resident = mgr.resident(layer, rows)
             if decode:
-                rank = rel
-                if self.config.selection_aggregate == "head-rank":
-                    rank = self.scorer.head_rank(layer, q[b : b + 1, :, -1], mgr.kmin[layer, rows].unsqueeze(0),
-                                                 mgr.kmax[layer, rows].unsqueeze(0), ctx["tokens"].unsqueeze(0),
-                                                 cand.unsqueeze(0))[0]
                 selected = self._select(self.scorer.mix(rank, pos, sal, self.selection_weights), t0)
                 attended = selected if self.config.mode == "exact" else selected & resident
             else:

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from tieredkv.errors import ConfigError, CorruptCheckpointError
-from tieredkv.plugins.importance import cosine_position_init, head_rank_relevance, position_value, relevance
+from tieredkv.plugins.importance import (bound_logits, cosine_position_init, head_rank_of_bounds, position_value,
+                                         relevance, share_of_bounds)
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 
@@ -50,11 +51,15 @@ class ImportanceScorer(nn.Module):
         normalization); 0 for the others."""
         return relevance(q, kmin, kmax, page_tokens, candidates)
 
-    def head_rank(self, layer: int, q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
-                  page_tokens: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-        """The per-head rank ranking of the candidates for selection
-        (``selection_aggregate = "head-rank"``; tieredkv.plugins.importance.head_rank_relevance)."""
-        return head_rank_relevance(q, kmin, kmax, page_tokens, candidates)
+    def relevance_and_rank(self, layer: int, q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                           page_tokens: torch.Tensor, candidates: torch.Tensor, *,
+                           head_rank: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``relevance`` and the ranking selection uses, from one evaluation of the bounds:
+        the relevance itself, or with ``head_rank`` (``selection_aggregate = "head-rank"``)
+        each page's best per-head rank (tieredkv.plugins.importance.head_rank_relevance)."""
+        ub = bound_logits(q, kmin, kmax, page_tokens, candidates)
+        rel = share_of_bounds(ub)
+        return rel, (head_rank_of_bounds(ub, candidates) if head_rank else rel)
 
     def positions(self, distance: torch.Tensor) -> torch.Tensor:
         """The position signal of every layer [L, ...] for token distances [...]."""
