@@ -222,10 +222,7 @@ class TieredKVConfig:
     # ------------------------------------------------------------------ files
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "config") -> "TieredKVConfig":
-        data = data.get("tiered_kv", data)  # allow a [tiered_kv] table / key
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"{source}: tiered_kv must be a table of settings, got {data!r}")
-        data = dict(data)
+        data = _settings_table(data, source)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -266,10 +263,15 @@ class TieredKVConfig:
             raise ConfigError(f"{p}: cannot parse ({exc})") from exc
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: expected a mapping of settings at the top level")
-        inner = data.get("tiered_kv", data)
-        if not isinstance(inner, Mapping):
-            raise ConfigError(f"{p}: tiered_kv must be a table of settings, got {inner!r}")
-        return dict(inner)
+        return _settings_table(data, str(p))
+
+
+def _settings_table(data: Mapping[str, Any], source: str) -> dict:
+    """The settings of a mapping: its ``tiered_kv`` table / key when it has one, else itself."""
+    inner = data.get("tiered_kv", data)
+    if not isinstance(inner, Mapping):
+        raise ConfigError(f"{source}: tiered_kv must be a table of settings, got {inner!r}")
+    return dict(inner)
 
 
 def yaml_error() -> type[Exception]:
