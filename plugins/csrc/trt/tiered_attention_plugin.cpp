@@ -119,28 +119,33 @@ public:
         nvinfer1::Dims const& q = inputDesc[0].dims;     // [B, H, T, D]
         nvinfer1::Dims const& pool = inputDesc[1].dims;  // [C, KVH, P, D]
         int64_t const m = inputDesc[3].dims.d[1];        // page_table [B, M]
+        // inputs 0-7 and the three outputs are the same for both variants (docs/plugins.md)
+        auto const* qv = static_cast<float const*>(inputs[0]);
+        auto const* k_pool = static_cast<float const*>(inputs[1]);
+        auto const* v_pool = static_cast<float const*>(inputs[2]);
+        auto const* page_table = static_cast<int64_t const*>(inputs[3]);
+        auto const* page_mask = static_cast<uint8_t const*>(inputs[4]);
+        auto const* page_index = static_cast<int64_t const*>(inputs[5]);
+        auto const* seq_len = static_cast<int64_t const*>(inputs[6]);
+        auto const* past = static_cast<int64_t const*>(inputs[7]);
+        auto* out = static_cast<float*>(outputs[0]);
+        auto* lse = static_cast<float*>(outputs[1]);
+        auto* page_probs = static_cast<float*>(outputs[2]);
         int status = 0;
         if (warm()) {
             tkv_codec_desc_t desc;  // a few integer ops: built per call, the plugin keeps no shape state
             status = tkv_codec_desc(mWarmCodec, pool.d[1], pool.d[2], pool.d[3], &desc);
             if (status != 0) return fail(std::string("warm_codec '") + mWarmCodec + "': bad page shape");
-            status = tkv_tiered_attention_warm(
-                static_cast<float const*>(inputs[0]), static_cast<float const*>(inputs[1]),
-                static_cast<float const*>(inputs[2]), static_cast<int64_t const*>(inputs[3]),
-                static_cast<uint8_t const*>(inputs[4]), static_cast<int64_t const*>(inputs[5]),
-                static_cast<int64_t const*>(inputs[6]), static_cast<int64_t const*>(inputs[7]),
-                static_cast<float*>(outputs[0]), static_cast<float*>(outputs[1]), static_cast<float*>(outputs[2]),
-                q.d[0], q.d[1], q.d[2], q.d[3], pool.d[0], pool.d[1], pool.d[2], m, mScale,
-                static_cast<uint8_t const*>(inputs[8]), static_cast<int64_t const*>(inputs[9]),
-                inputDesc[8].dims.d[0], &desc, stream);
+            status = tkv_tiered_attention_warm(qv, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past,
+                                               out, lse, page_probs, q.d[0], q.d[1], q.d[2], q.d[3], pool.d[0],
+                                               pool.d[1], pool.d[2], m, mScale,
+                                               static_cast<uint8_t const*>(inputs[8]),
+                                               static_cast<int64_t const*>(inputs[9]), inputDesc[8].dims.d[0], &desc,
+                                               stream);
         } else {
-            status = tkv_tiered_attention(
-                static_cast<float const*>(inputs[0]), static_cast<float const*>(inputs[1]),
-                static_cast<float const*>(inputs[2]), static_cast<int64_t const*>(inputs[3]),
-                static_cast<uint8_t const*>(inputs[4]), static_cast<int64_t const*>(inputs[5]),
-                static_cast<int64_t const*>(inputs[6]), static_cast<int64_t const*>(inputs[7]),
-                static_cast<float*>(outputs[0]), static_cast<float*>(outputs[1]), static_cast<float*>(outputs[2]),
-                q.d[0], q.d[1], q.d[2], q.d[3], pool.d[0], pool.d[1], pool.d[2], m, mScale, stream);
+            status = tkv_tiered_attention(qv, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, out,
+                                          lse, page_probs, q.d[0], q.d[1], q.d[2], q.d[3], pool.d[0], pool.d[1],
+                                          pool.d[2], m, mScale, stream);
         }
         return status == 0 ? 0 : fail(std::string("kernel launch failed: ") + tkv_error_string(status));
     }
