@@ -422,55 +422,60 @@ def _decode_step(B: int, H: int, T: int, D: int, M: int, ctx: int, dev):
     return q, page_mask, page_index, seq_len, seq_len - T, out
 
 
+def _timed_shapes(page_size: int):
+    """(model, H, KVH, D, context, pages per sequence) of every timed case."""
+    for model, H, KVH, D in MODELS:
+        for ctx in CONTEXTS:
+            yield model, H, KVH, D, ctx, ctx // page_size
+
+
 def time_kernels(lib: ctypes.CDLL, repeats: int, batch: int) -> list[Timing]:
     timings = []
     dev = torch.device("cuda")
     B, T, P = batch, 1, 16
-    for model, H, KVH, D in MODELS:
-        for ctx in CONTEXTS:
-            M = ctx // P
-            C = B * M
-            shape = f"B={B} H={H} KVH={KVH} D={D} ctx={ctx} P={P} M={M} T={T}"
-            # TieredAttention over every page of the context, pages scattered over the pool
-            q, page_mask, page_index, seq_len, past, out = _decode_step(B, H, T, D, M, ctx, dev)
-            k_pool = torch.randn(C, KVH, P, D, device=dev)
-            v_pool = torch.randn(C, KVH, P, D, device=dev)
-            page_table = torch.randperm(C, device=dev).view(B, M)
-            ms = _time(lambda: cuda_ops.tiered_attention(q, k_pool, v_pool, page_table, page_mask, page_index,
-                                                         seq_len, past, scale=D ** -0.5, out=out, lib=lib), repeats)
-            kv_bytes = 2 * B * M * P * KVH * D * 4
-            io_bytes = 2 * q.numel() * 4 + B * H * T * (M + 1) * 4 + B * M * 17
-            timings.append(_timing("TieredAttention", model, shape, ms, kv_bytes + io_bytes))
-            # ImportanceScore over the same pages
-            kmin = torch.randn(B, M, KVH, D, device=dev)
-            kmax = kmin + torch.rand(B, M, KVH, D, device=dev)
-            page_tokens = torch.full((B, M), P, dtype=torch.int64, device=dev)
-            distance = (ctx - (torch.arange(M, device=dev) + 1) * P).repeat(B, 1)
-            saliency = torch.rand(B, M, device=dev)
-            position_table = torch.rand(16, device=dev)
-            score = torch.empty(B, M, device=dev)
-            qs = q[:, :, 0].contiguous()
-            ms = _time(lambda: cuda_ops.importance_score(qs, kmin, kmax, page_tokens, distance, saliency, page_mask,
-                                                         position_table, (0.4, 0.3, 0.3), scale=D ** -0.5, out=score,
-                                                         lib=lib), repeats)
-            timings.append(_timing("ImportanceScore", model, shape, ms, 2 * kmin.numel() * 4 + B * M * (8 + 8 + 4 + 1 + 4)))
-            # KVAppend of one token per sequence: in place (scatter only) and as the plugin runs it
-            # (copy both pools to the outputs, then scatter)
-            k_new = torch.randn(B, KVH, D, device=dev)
-            v_new = torch.randn(B, KVH, D, device=dev)
-            slot = page_table[:, -1].contiguous()
-            offset = torch.full((B,), P - 1, dtype=torch.int64, device=dev)
-            new_bytes = 2 * 2 * k_new.numel() * 4
-            ms = _time(lambda: cuda_ops.kv_append(k_pool, v_pool, k_new, v_new, slot, offset, out=(k_pool, v_pool),
-                                                  lib=lib), repeats)
-            timings.append(_timing("KVAppend (in place)", model, shape, ms, new_bytes))
-            k_out, v_out = torch.empty_like(k_pool), torch.empty_like(v_pool)
-            ms = _time(lambda: cuda_ops.kv_append(k_pool, v_pool, k_new, v_new, slot, offset, out=(k_out, v_out),
-                                                  lib=lib), repeats)
-            timings.append(_timing("KVAppend (copy + scatter)", model, shape, ms,
-                                   2 * 2 * k_pool.numel() * 4 + new_bytes, pool_mib=round(2 * k_pool.numel() * 4 / 2**20, 1)))
-            del k_pool, v_pool, k_out, v_out, kmin, kmax
-            torch.cuda.empty_cache()
+    for model, H, KVH, D, ctx, M in _timed_shapes(P):
+        C = B * M
+        shape = f"B={B} H={H} KVH={KVH} D={D} ctx={ctx} P={P} M={M} T={T}"
+        # TieredAttention over every page of the context, pages scattered over the pool
+        q, page_mask, page_index, seq_len, past, out = _decode_step(B, H, T, D, M, ctx, dev)
+        k_pool = torch.randn(C, KVH, P, D, device=dev)
+        v_pool = torch.randn(C, KVH, P, D, device=dev)
+        page_table = torch.randperm(C, device=dev).view(B, M)
+        ms = _time(lambda: cuda_ops.tiered_attention(q, k_pool, v_pool, page_table, page_mask, page_index,
+                                                     seq_len, past, scale=D ** -0.5, out=out, lib=lib), repeats)
+        kv_bytes = 2 * B * M * P * KVH * D * 4
+        io_bytes = 2 * q.numel() * 4 + B * H * T * (M + 1) * 4 + B * M * 17
+        timings.append(_timing("TieredAttention", model, shape, ms, kv_bytes + io_bytes))
+        # ImportanceScore over the same pages
+        kmin = torch.randn(B, M, KVH, D, device=dev)
+        kmax = kmin + torch.rand(B, M, KVH, D, device=dev)
+        page_tokens = torch.full((B, M), P, dtype=torch.int64, device=dev)
+        distance = (ctx - (torch.arange(M, device=dev) + 1) * P).repeat(B, 1)
+        saliency = torch.rand(B, M, device=dev)
+        position_table = torch.rand(16, device=dev)
+        score = torch.empty(B, M, device=dev)
+        qs = q[:, :, 0].contiguous()
+        ms = _time(lambda: cuda_ops.importance_score(qs, kmin, kmax, page_tokens, distance, saliency, page_mask,
+                                                     position_table, (0.4, 0.3, 0.3), scale=D ** -0.5, out=score,
+                                                     lib=lib), repeats)
+        timings.append(_timing("ImportanceScore", model, shape, ms, 2 * kmin.numel() * 4 + B * M * (8 + 8 + 4 + 1 + 4)))
+        # KVAppend of one token per sequence: in place (scatter only) and as the plugin runs it
+        # (copy both pools to the outputs, then scatter)
+        k_new = torch.randn(B, KVH, D, device=dev)
+        v_new = torch.randn(B, KVH, D, device=dev)
+        slot = page_table[:, -1].contiguous()
+        offset = torch.full((B,), P - 1, dtype=torch.int64, device=dev)
+        new_bytes = 2 * 2 * k_new.numel() * 4
+        ms = _time(lambda: cuda_ops.kv_append(k_pool, v_pool, k_new, v_new, slot, offset, out=(k_pool, v_pool),
+                                              lib=lib), repeats)
+        timings.append(_timing("KVAppend (in place)", model, shape, ms, new_bytes))
+        k_out, v_out = torch.empty_like(k_pool), torch.empty_like(v_pool)
+        ms = _time(lambda: cuda_ops.kv_append(k_pool, v_pool, k_new, v_new, slot, offset, out=(k_out, v_out),
+                                              lib=lib), repeats)
+        timings.append(_timing("KVAppend (copy + scatter)", model, shape, ms,
+                               2 * 2 * k_pool.numel() * 4 + new_bytes, pool_mib=round(2 * k_pool.numel() * 4 / 2**20, 1)))
+        del k_pool, v_pool, k_out, v_out, kmin, kmax
+        torch.cuda.empty_cache()
     return timings
 
 
@@ -482,36 +487,34 @@ def time_codecs(lib: ctypes.CDLL, repeats: int, batch: int) -> list[Timing]:
     timings = []
     dev = torch.device("cuda")
     B, T, P = batch, 1, 16
-    for model, H, KVH, D in MODELS:
-        for ctx in CONTEXTS:
-            M = ctx // P
-            N = B * M
-            shape = f"B={B} H={H} KVH={KVH} D={D} ctx={ctx} P={P} pages={N} T={T}"
-            k = torch.randn(N, KVH, P, D, device=dev)
-            v = torch.randn(N, KVH, P, D, device=dev)
-            q, page_mask, page_index, seq_len, past, att_out = _decode_step(B, H, T, D, M, ctx, dev)
-            page_table = torch.zeros(B, M, dtype=torch.int64, device=dev)  # ignored: every page is warm
-            warm_row = torch.randperm(N, device=dev).view(B, M)
-            float_bytes = 2 * k.numel() * 4
-            for name in codec.CODECS:
-                desc = cuda_ops.codec_desc(name, KVH, P, D, lib=lib)
-                data = torch.empty(N, desc.page_bytes, dtype=torch.uint8, device=dev)
-                enc_bytes = data.numel()
-                ms = _time(lambda: cuda_ops.encode_pages(k, v, desc, out=data, lib=lib), repeats)
-                timings.append(_timing(f"encode_pages [{name}]", model, shape, ms, enc_bytes,
-                                       float_bytes_read=float_bytes))
-                dec = (torch.empty_like(k), torch.empty_like(v))
-                ms = _time(lambda: cuda_ops.decode_pages(data, desc, out=dec, lib=lib), repeats)
-                timings.append(_timing(f"decode_pages [{name}]", model, shape, ms, enc_bytes,
-                                       float_bytes_written=float_bytes))
-                ms = _time(lambda: cuda_ops.tiered_attention_warm(q, k, v, page_table, page_mask, page_index,
-                                                                  seq_len, past, data, warm_row, desc,
-                                                                  scale=D ** -0.5, out=att_out, lib=lib), repeats)
-                timings.append(_timing(f"TieredAttention warm [{name}]", model, shape, ms, enc_bytes,
-                                       bits_per_value=round(8 * desc.page_bytes / (2 * KVH * P * D), 2)))
-                del data, dec
-            del k, v
-            torch.cuda.empty_cache()
+    for model, H, KVH, D, ctx, M in _timed_shapes(P):
+        N = B * M
+        shape = f"B={B} H={H} KVH={KVH} D={D} ctx={ctx} P={P} pages={N} T={T}"
+        k = torch.randn(N, KVH, P, D, device=dev)
+        v = torch.randn(N, KVH, P, D, device=dev)
+        q, page_mask, page_index, seq_len, past, att_out = _decode_step(B, H, T, D, M, ctx, dev)
+        page_table = torch.zeros(B, M, dtype=torch.int64, device=dev)  # ignored: every page is warm
+        warm_row = torch.randperm(N, device=dev).view(B, M)
+        float_bytes = 2 * k.numel() * 4
+        for name in codec.CODECS:
+            desc = cuda_ops.codec_desc(name, KVH, P, D, lib=lib)
+            data = torch.empty(N, desc.page_bytes, dtype=torch.uint8, device=dev)
+            enc_bytes = data.numel()
+            ms = _time(lambda: cuda_ops.encode_pages(k, v, desc, out=data, lib=lib), repeats)
+            timings.append(_timing(f"encode_pages [{name}]", model, shape, ms, enc_bytes,
+                                   float_bytes_read=float_bytes))
+            dec = (torch.empty_like(k), torch.empty_like(v))
+            ms = _time(lambda: cuda_ops.decode_pages(data, desc, out=dec, lib=lib), repeats)
+            timings.append(_timing(f"decode_pages [{name}]", model, shape, ms, enc_bytes,
+                                   float_bytes_written=float_bytes))
+            ms = _time(lambda: cuda_ops.tiered_attention_warm(q, k, v, page_table, page_mask, page_index,
+                                                              seq_len, past, data, warm_row, desc,
+                                                              scale=D ** -0.5, out=att_out, lib=lib), repeats)
+            timings.append(_timing(f"TieredAttention warm [{name}]", model, shape, ms, enc_bytes,
+                                   bits_per_value=round(8 * desc.page_bytes / (2 * KVH * P * D), 2)))
+            del data, dec
+        del k, v
+        torch.cuda.empty_cache()
     return timings
 
 
