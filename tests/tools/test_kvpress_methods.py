@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("kvpress")
 pytest.importorskip("transformers")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "eval"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "eval"))
 
 import kvpress_compare as kc  # noqa: E402
 from kvpress_methods import (  # noqa: E402

@@ -38,7 +38,7 @@ from tieredkv.models.llama import decode_one_token, prefill, rope_inv_freq  # no
 from tieredkv.plugins.onnx_ops import DOMAIN, OPSET, PLUGIN_VERSION  # noqa: E402
 from tieredkv.runtime.paged import PagedCacheConfig, PagedKVCache  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = 5  # awkward on purpose
 LOGITS_ATOL = 1e-4
 BUILD_SCRIPT = ROOT / "builder" / "build_engine.py"
