@@ -3,9 +3,9 @@
 One graph serves both kinds of step: a decode step (T = 1 new token per sequence) and a
 chunked-prefill step (T > 1), for a batch of B sequences (B, T, M and the pool sizes are
 dynamic). Attention runs on ``tieredkv::TieredAttention`` nodes, the K/V write on
-``tieredkv::KVAppend`` and (tiered graphs) page scoring on ``tieredkv::ImportanceScore``
-(`tieredkv.plugins.onnx_ops`: custom domain, plugin attributes, local-function bodies that
-ONNX Runtime runs anywhere).
+``tieredkv::KVAppend``, and (tiered graphs) page scoring on ``tieredkv::ImportanceScore`` and
+page selection on ``tieredkv::SelectPages`` (`tieredkv.plugins.onnx_ops`: custom domain,
+plugin attributes, local-function bodies that ONNX Runtime runs anywhere).
 
 Inputs (L layers, B sequences, T new tokens each, M listed pages, C_l pool pages of layer
 l, KVH kv heads, P page size, D head dim, NB position buckets)::
@@ -53,7 +53,7 @@ runtime puts non-resident pages in the pool (exact mode, prefill) or leaves them
 counts the miss (masked mode). Plain graphs (no --tiered-kv) attend ``page_mask``.
 
 Per layer: RMSNorm -> Q/K/V Gemm -> RoPE -> KVAppend into the layer's pools ->
-[ImportanceScore on the last new token's query -> TopK selection] -> TieredAttention over
+[ImportanceScore on the last new token's query -> SelectPages] -> TieredAttention over
 the updated pools -> O Gemm -> residual -> RMSNorm -> SwiGLU -> residual; then the final
 norm and the LM head (tied embeddings reuse the embedding initializer). Weights are
 float32 initializers named as in the model's state dict; RoPE uses the model's own
@@ -61,7 +61,7 @@ float32 initializers named as in the model's state dict; RoPE uses the model's o
 selection mix) are a build option, recorded in the engine's config.json.
 
 The reference (:class:`PoolStep`) runs the PyTorch model's own modules through the same
-explicit inputs with the PyTorch references of the three ops.
+explicit inputs with the PyTorch references of the ops.
 """
 
 from __future__ import annotations
@@ -77,23 +77,25 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tieredkv.models.cache import Step
 from tieredkv.models.llama import Llama
-from tieredkv.plugins.attention import PAD_PAGE_INDEX, tiered_attention
+from tieredkv.plugins.tiered_attention import PAD_PAGE_INDEX, tiered_attention
 from tieredkv.plugins.codec import CODECS, encode_pages, page_bytes
-from tieredkv.plugins.importance import importance_score
+from tieredkv.plugins.importance_score import RELEVANCE_ONLY, importance_score
 from tieredkv.plugins.onnx_codec import _Body
+from tieredkv.plugins.kv_append import kv_append
 from tieredkv.plugins.onnx_ops import (
     DOMAIN,
     IMPORTANCE_SCORE,
     KV_APPEND,
     OPSET,
-    PLUGIN_NAMESPACE,
-    PLUGIN_VERSION,
+    SELECT_PAGES,
     TIERED_ATTENTION,
     importance_score_function,
-    kv_append,
     kv_append_function,
+    node_attributes,
+    select_pages_function,
     warm_functions,
 )
+from tieredkv.plugins.select_pages import select_pages
 
 __all__ = ["StepGraphOptions", "PoolStep", "PROTOBUF_LIMIT", "build_step_graph", "step_input_names",
            "step_output_names", "initializer_bytes", "random_step_inputs", "reference_step", "run_onnx",
@@ -106,8 +108,6 @@ _F32, _I64, _BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 PROTOBUF_LIMIT = 2**31 - 1 - (64 << 20)
 #: page_index of padding columns (past any sequence: no key of it is ever valid)
 PAD_INDEX = PAD_PAGE_INDEX
-#: ImportanceScore weights that make its score the relevance alone
-RELEVANCE_ONLY = (1.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -178,9 +178,10 @@ class _Graph(_Body):
     def const(self, values: list[int] | float, dtype: int = _I64) -> str:
         return super().const(values, dtype)
 
-    def plugin(self, op_type: str, inputs: list[str], outputs: list[str], name: str, **attrs) -> None:
+    def custom(self, op_type: str, inputs: list[str], outputs: list[str], name: str, **attrs) -> None:
+        """A node of one of the tieredkv ops (with its plugin attributes, where it has a plugin)."""
         self.nodes.append(helper.make_node(op_type, inputs, outputs, name=name, domain=DOMAIN,
-                                           plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION, **attrs))
+                                           **node_attributes(op_type), **attrs))
 
     def layer_of(self, stacked: str, layer: int) -> str:
         """Row ``layer`` of a per-layer stacked input (axis 0 dropped)."""
@@ -211,25 +212,6 @@ def _rope(g: _Graph, x: str, cos: str, sin: str, half: int) -> str:
     return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
 
 
-def _select(g: _Graph, score: str, valid: str, pinned: str, cand: str, n_valid: str, n_pinned: str) -> str:
-    """The selection of the tiered cache (`TieredKVCache._select`): T0, plus the top
-    ``attend_pages - |T0|`` candidate pages by ``score`` [B, M]; every valid page when the
-    budget covers them all. TopK over the candidates, sorted (ties: lower column first),
-    ranks scattered back to columns."""
-    ranked = g.op("Where", cand, score, g.const(float("-inf"), _F32))
-    m = g.dim(score, 1)
-    values, order = g._name("topk_values"), g._name("topk_order")
-    g.nodes.append(helper.make_node("TopK", [ranked, m], [values, order], axis=-1, largest=1, sorted=1))
-    cols = g.op("Expand", g.op("Unsqueeze", g.op("Range", g.const(0), g.op("Squeeze", m, g.const([0])), g.const(1)),
-                               g.const([0])), g.op("Shape", score))
-    zeros = g.op("ConstantOfShape", g.op("Shape", score), value=helper.make_tensor("zero", _I64, [1], [0]))
-    rank = g.op("ScatterElements", zeros, order, cols, axis=1)
-    extra = g.op("Unsqueeze", g.op("Sub", "attend_pages", n_pinned), g.const([1]))
-    top = g.op("And", cand, g.op("Less", rank, extra))
-    every = g.op("Unsqueeze", g.op("GreaterOrEqual", "attend_pages", n_valid), g.const([1]))
-    return g.op("And", valid, g.op("Or", g.op("Or", pinned, every), top))
-
-
 def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
                      progress: Callable[[Iterable[int]], Iterable[int]] | None = None) -> onnx.ModelProto:
     """The step graph of ``model`` (see the module docstring). ``progress`` wraps the
@@ -258,9 +240,6 @@ def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
     offsets = g.op("Reshape", "write_offset", g.const([-1]))
     valid = g.op("Less", g.op("Mul", "page_index", g.const(p)), g.op("Unsqueeze", "seq_len", g.const([1])))
     if tiered:
-        count = lambda m: g.op("ReduceSum", g.op("Cast", m, to=_I64), g.const([1]), keepdims=0)  # noqa: E731
-        pinned = g.op("And", "page_pinned", valid)
-        n_valid, n_pinned = count(valid), count(pinned)
         cand = g.op("And", valid, g.op("Not", "page_pinned"))
         # distance of each page's last token from the last new token (the position signal)
         last_tok = g.op("Sub", g.op("Add", g.op("Mul", "page_index", g.const(p)), "page_tokens"), g.const(1))
@@ -287,7 +266,7 @@ def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
         v_rows = g.op("Reshape", g.op("Transpose", v, perm=[0, 2, 1, 3]), rows)
         k_out, v_out = f"{pre}.k_pool_updated", f"{pre}.v_pool_updated"
         slots = g.op("Reshape", g.layer_of("write_slot", layer), g.const([-1]))
-        g.plugin(KV_APPEND, [f"k_pool_{layer}", f"v_pool_{layer}", k_rows, v_rows, slots, offsets],
+        g.custom(KV_APPEND, [f"k_pool_{layer}", f"v_pool_{layer}", k_rows, v_rows, slots, offsets],
                  [k_out, v_out], name=f"{pre}.kv_append")
         table, in_pool = g.layer_of("page_table", layer), g.layer_of("page_mask", layer)
         if tiered:
@@ -296,14 +275,15 @@ def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
                         g.layer_of("page_saliency", layer), cand]
             pos_table = g.layer_of("position_table", layer)
             rel = f"{pre}.page_relevance"
-            g.plugin(IMPORTANCE_SCORE, score_in + [pos_table], [rel], name=f"{pre}.relevance",
+            g.custom(IMPORTANCE_SCORE, score_in + [pos_table], [rel], name=f"{pre}.relevance",
                      weights=list(RELEVANCE_ONLY), scale=scale)
             score = rel
             if options.selection_weights != RELEVANCE_ONLY:
                 score = f"{pre}.selection_score"
-                g.plugin(IMPORTANCE_SCORE, score_in + [pos_table], [score], name=f"{pre}.selection_score",
+                g.custom(IMPORTANCE_SCORE, score_in + [pos_table], [score], name=f"{pre}.selection_score",
                          weights=list(options.selection_weights), scale=scale)
-            selected = _select(g, score, valid, pinned, cand, n_valid, n_pinned)
+            selected = f"{pre}.page_selected"
+            g.custom(SELECT_PAGES, [score, valid, "page_pinned", "attend_pages"], [selected], name=f"{pre}.select")
             attended = g.op("And", selected, in_pool)
             news["selected"].append(g.op("Unsqueeze", selected, g.const([0])))
             news["relevance"].append(g.op("Unsqueeze", rel, g.const([0])))
@@ -315,7 +295,7 @@ def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
         if options.warm_codec is not None:
             attn_in += [f"warm_pool_{layer}", g.layer_of("page_warm_row", layer)]
             warm_attrs["warm_codec"] = options.warm_codec
-        g.plugin(TIERED_ATTENTION, attn_in, [attn, lse, probs], name=f"{pre}.attention", scale=scale, **warm_attrs)
+        g.custom(TIERED_ATTENTION, attn_in, [attn, lse, probs], name=f"{pre}.attention", scale=scale, **warm_attrs)
         if tiered:  # mean over query heads (axis 1), sum over the step's queries (then axis 1)
             mass = g.op("ReduceSum", g.op("ReduceMean", probs, g.const([1]), keepdims=0), g.const([1]), keepdims=0)
             news["mass"].append(g.op("Unsqueeze", mass, g.const([0])))
@@ -364,7 +344,7 @@ def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
                               initializer=g.initializers)
     functions = warm_functions(options.warm_codec, (kvh, p, d) if warm else None) + [kv_append_function()]
     if tiered:
-        functions.append(importance_score_function())
+        functions += [importance_score_function(), select_pages_function()]
     return helper.make_model(graph, functions=functions,
                              opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
                              producer_name="tieredkv.builder", doc_string=__doc__.split("\n\n")[0])
@@ -397,8 +377,7 @@ class PoolStep:
 
     ``Llama.forward`` drives it through the KV-cache step protocol (``begin_step``, ``attend``
     per layer, ``end_step``): ``attend`` writes the new tokens' K/V with :func:`kv_append`,
-    scores and selects pages with ``importance_score`` and the tiered cache's selection rule
-    (tiered), and attends with :func:`tiered_attention` over the updated pools. Afterwards
+    scores and selects pages with ``importance_score`` and ``select_pages`` (tiered), and attends with :func:`tiered_attention` over the updated pools. Afterwards
     ``outputs`` holds every graph output but the logits (torch tensors)."""
 
     def __init__(self, t: dict[str, torch.Tensor], *, num_layers: int, tiered_kv: bool,
@@ -414,7 +393,6 @@ class PoolStep:
 
     def _selected(self, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.t
-        pinned = t["page_pinned"] & self.valid
         cand = self.valid & ~t["page_pinned"]
         last_tok = t["page_index"] * self.pages + t["page_tokens"] - 1
         distance = (t["seq_len"] - 1).unsqueeze(1) - last_tok
@@ -422,15 +400,7 @@ class PoolStep:
                 t["page_saliency"][layer], cand, t["position_table"][layer])
         rel = importance_score(*args, RELEVANCE_ONLY)
         score = importance_score(*args, self.weights) if self.weights != RELEVANCE_ONLY else rel
-        selected = pinned | (t["attend_pages"] >= self.valid.sum(1)).unsqueeze(1)
-        extra = t["attend_pages"] - pinned.sum(1)
-        for b in range(score.shape[0]):
-            n_cand = int(cand[b].sum())
-            k = max(0, min(int(extra[b]), n_cand))
-            if k:
-                top = torch.topk(score[b].masked_fill(~cand[b], float("-inf")), k).indices
-                selected[b, top] = True
-        return selected & self.valid, rel
+        return select_pages(score, self.valid, t["page_pinned"], t["attend_pages"]), rel
 
     def attend(self, step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         t = self.t

@@ -1,17 +1,35 @@
-"""tieredkv.plugins: the op specs as PyTorch references (the semantics every ONNX function
-and CUDA kernel must match); the ONNX forms live in ``onnx_codec`` and ``onnx_ops``
-(import them explicitly: they need the ``onnx`` extra). Specs: docs/plugins.md."""
+"""tieredkv.plugins: every op's PyTorch reference, under the op's own name (the semantics
+each ONNX function and CUDA kernel must match; docs/plugins.md lists where each op's
+implementations live):
 
-from tieredkv.plugins.attention import attention_over_pages, merge_attention, tiered_attention
-from tieredkv.plugins.importance import (
+====================  ==============================  ==========================================
+op                    reference                       ONNX form (``onnx_ops`` / ``onnx_codec``)
+====================  ==============================  ==========================================
+TieredAttention       ``tiered_attention``            ``onnx_ops.tiered_attention_function``
+ImportanceScore       ``importance_score``            ``onnx_ops.importance_score_function``
+SelectPages           ``select_pages``                ``onnx_ops.select_pages_function``
+KVAppend              ``kv_append``                   ``onnx_ops.kv_append_function``
+KVEncodePages         ``codec.encode_pages``          ``onnx_codec.encode_function`` (groups)
+KVDecodePages         ``codec.decode_pages``          ``onnx_codec.decode_pages_function``
+====================  ==============================  ==========================================
+
+The ONNX forms need the ``onnx`` extra: import them explicitly. The CUDA kernels are in
+``plugins/csrc`` and, as PyTorch ops, in ``cuda_ops``.
+"""
+
+from tieredkv.plugins.codec import decode_pages, encode_pages
+from tieredkv.plugins.importance_score import (
     cosine_position_init,
     distance_bucket,
-    head_rank_relevance,
     importance_score,
     position_value,
     quest_upper_bound,
     relevance,
 )
+from tieredkv.plugins.kv_append import kv_append
+from tieredkv.plugins.select_pages import select_pages
+from tieredkv.plugins.tiered_attention import attention_over_pages, merge_attention, tiered_attention
 
-__all__ = ["attention_over_pages", "merge_attention", "tiered_attention", "cosine_position_init", "distance_bucket",
-           "head_rank_relevance", "importance_score", "position_value", "quest_upper_bound", "relevance"]
+__all__ = ["attention_over_pages", "cosine_position_init", "decode_pages", "distance_bucket", "encode_pages",
+           "importance_score", "kv_append", "merge_attention", "position_value", "quest_upper_bound", "relevance",
+           "select_pages", "tiered_attention"]

@@ -343,7 +343,7 @@ def tiered_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                      lib: ctypes.CDLL | str | os.PathLike | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """TieredAttention (``tkv_tiered_attention``): paged attention over the listed pages that
-    ``page_mask`` keeps; the reference is ``tieredkv.plugins.attention.tiered_attention``.
+    ``page_mask`` keeps; the reference is ``tieredkv.plugins.tiered_attention.tiered_attention``.
 
     All tensors CUDA, on one device, contiguous (B sequences, H query heads, KVH kv heads, T
     queries per sequence, D head dim <= 256, C pool pages, P page size, M listed pages):
@@ -405,7 +405,7 @@ def kv_append(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor, v
               slot: torch.Tensor, offset: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None,
               lib: ctypes.CDLL | str | os.PathLike | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """KVAppend (``tkv_kv_append``): the pools with token n written at
-    ``[slot[n], :, offset[n], :]``, bit-exact; the reference is ``onnx_ops.kv_append``.
+    ``[slot[n], :, offset[n], :]``, bit-exact; the reference is ``tieredkv.plugins.kv_append``.
 
     All tensors CUDA, on one device, contiguous, one dtype of 1, 2, 4 or 8 bytes for the pools
     and new tokens (float32, float16, bfloat16, ...):
@@ -441,7 +441,7 @@ def importance_score(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pa
                      out: torch.Tensor | None = None,
                      lib: ctypes.CDLL | str | os.PathLike | None = None) -> torch.Tensor:
     """ImportanceScore (``tkv_importance_score``): the mixed importance of each listed page; the
-    reference is ``tieredkv.plugins.importance.importance_score``.
+    reference is ``tieredkv.plugins.importance_score.importance_score``.
 
     All tensors CUDA, on one device, contiguous (D <= 256, H a multiple of KVH):
 

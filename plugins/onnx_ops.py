@@ -1,10 +1,11 @@
-"""TieredAttention, ImportanceScore and KVAppend as ONNX nodes: custom domain ``tieredkv``,
-node attributes ``plugin_namespace`` / ``plugin_version`` (TensorRT >= 10.15 swaps in the
-registered plugin when they are set), and a local-function body of standard ops (opset 21)
-that ONNX Runtime, onnx.reference and polygraphy run anywhere. The bodies compute what the
-PyTorch references compute (`tieredkv.plugins.attention.tiered_attention`,
-`tieredkv.plugins.importance.importance_score`, :func:`kv_append` below); the tests
-compare them in ONNX Runtime CPU (`tests/test_onnx_ops.py`). Spec: ``docs/plugins.md``.
+"""TieredAttention, ImportanceScore, SelectPages and KVAppend as ONNX nodes: custom domain
+``tieredkv`` and a local-function body of standard ops (opset 21) that ONNX Runtime,
+onnx.reference and polygraphy run anywhere. The plugin ops (TieredAttention, ImportanceScore,
+KVAppend) carry the node attributes ``plugin_namespace`` / ``plugin_version``, so TensorRT
+swaps in the registered plugin; SelectPages carries none (TensorRT inlines its body). The
+bodies compute what the PyTorch references of ``tieredkv.plugins`` compute (same names:
+``tiered_attention``, ``importance_score``, ``select_pages``, ``kv_append``); each op's test
+module in ``tests/plugins/`` compares them in ONNX Runtime CPU. Spec: ``docs/plugins.md``.
 
     TieredAttention<scale>(q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past)
         -> out [B, H, T, D], lse [B, H, T], page_probs [B, H, T, M]
@@ -12,6 +13,7 @@ compare them in ONNX Runtime CPU (`tests/test_onnx_ops.py`). Spec: ``docs/plugin
         read from their encoded bytes; see tiered_attention_function)
     ImportanceScore<weights, scale>(q, kmin, kmax, page_tokens, distance, saliency, page_mask,
                                     position_table) -> score [B, M]
+    SelectPages(score, valid, pinned, attend_pages) -> selected [B, M]
     KVAppend(k_pool, v_pool, k_new, v_new, slot, offset) -> k_pool_out, v_pool_out
 
 All sizes are dynamic: the bodies read them with Shape/Gather and build every reshape
@@ -20,46 +22,27 @@ target from them.
 
 from __future__ import annotations
 
-import torch
 from onnx import AttributeProto, FunctionProto, ModelProto, TensorProto, helper
 
-from tieredkv.plugins.importance import EXACT_TOKENS
 from tieredkv.plugins.codec import CODECS, page_bytes
+from tieredkv.plugins.importance_score import EXACT_TOKENS
 from tieredkv.plugins.onnx_codec import (DOMAIN, OPSET, PLUGIN_NAMESPACE, PLUGIN_VERSION, _Body, _unsqueeze,
                                          decode_pages_function, decode_pages_op_type)
 
 __all__ = ["DOMAIN", "PLUGIN_NAMESPACE", "PLUGIN_VERSION", "OPSET", "TIERED_ATTENTION", "IMPORTANCE_SCORE",
-           "KV_APPEND", "kv_append", "tiered_attention_function", "tiered_attention_model",
-           "importance_score_function", "importance_score_model", "kv_append_function", "kv_append_model",
-           "warm_functions"]
+           "SELECT_PAGES", "KV_APPEND", "tiered_attention_function", "tiered_attention_model",
+           "importance_score_function", "importance_score_model", "select_pages_function", "select_pages_model",
+           "kv_append_function", "kv_append_model", "warm_functions"]
 
 TIERED_ATTENTION = "TieredAttention"
 IMPORTANCE_SCORE = "ImportanceScore"
+SELECT_PAGES = "SelectPages"
 KV_APPEND = "KVAppend"
 #: attributes every node of this module carries (declared by the functions, set on the node)
 PLUGIN_ATTRS = ["plugin_namespace", "plugin_version"]
 
 _I64 = TensorProto.INT64
 _F32 = TensorProto.FLOAT
-
-
-def kv_append(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-              slot: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """KVAppend — reference semantics: write N new tokens into the page pool.
-
-    * ``k_pool``, ``v_pool`` [C, KVH, P, D] — the page pool (any dtype; not modified);
-    * ``k_new``, ``v_new`` [N, KVH, D] — the new tokens' keys / values (pool dtype);
-    * ``slot`` [N] int64 — pool page of token n, in ``[0, C)``;
-    * ``offset`` [N] int64 — slot inside the page of token n, in ``[0, P)``.
-
-    Returns new tensors ``k_pool_out``, ``v_pool_out`` [C, KVH, P, D] equal to the pools except
-    ``pool_out[slot[n], :, offset[n], :] = new[n]``. The (slot, offset) pairs must be distinct
-    (which of two writes to one place wins is unspecified, as for ONNX ScatterND).
-    """
-    k_out, v_out = k_pool.clone(), v_pool.clone()
-    k_out[slot, :, offset] = k_new.to(k_out.dtype)
-    v_out[slot, :, offset] = v_new.to(v_out.dtype)
-    return k_out, v_out
 
 
 # --- body-building helpers ------------------------------------------------------------------
@@ -106,16 +89,24 @@ def _masked_softmax(b: _Body, logits: str, allowed: str) -> tuple[str, str]:
 
 
 def _function(name: str, inputs: list[str], outputs: list[str], b: _Body, attrs: list[str], *,
-              calls_domain: bool = False) -> FunctionProto:
-    """``calls_domain``: the body calls other functions of the tieredkv domain."""
+              calls_domain: bool = False, plugin: bool = True) -> FunctionProto:
+    """``calls_domain``: the body calls other functions of the tieredkv domain; ``plugin``: the
+    op has a TensorRT plugin (its nodes carry the plugin attributes)."""
     opsets = [helper.make_opsetid("", OPSET)] + ([helper.make_opsetid(DOMAIN, 1)] if calls_domain else [])
-    return helper.make_function(DOMAIN, name, inputs, outputs, b.nodes, opsets, attributes=attrs + PLUGIN_ATTRS)
+    return helper.make_function(DOMAIN, name, inputs, outputs, b.nodes, opsets,
+                                attributes=attrs + (PLUGIN_ATTRS if plugin else []))
+
+
+def node_attributes(op_type: str) -> dict[str, str]:
+    """The plugin attributes a node of ``op_type`` carries (none for SelectPages, whose body
+    TensorRT inlines)."""
+    return {} if op_type == SELECT_PAGES else {"plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION}
 
 
 def _model(fn: FunctionProto, ins: list[tuple[str, int, list]], outs: list[tuple[str, int, list]],
            **attrs) -> ModelProto:
     node = helper.make_node(fn.name, [n for n, _, _ in ins], [n for n, _, _ in outs], domain=DOMAIN,
-                            plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION, **attrs)
+                            **node_attributes(fn.name), **attrs)
     graph = helper.make_graph([node], f"{fn.name}_graph",
                               [helper.make_tensor_value_info(n, t, s) for n, t, s in ins],
                               [helper.make_tensor_value_info(n, t, s) for n, t, s in outs])
@@ -299,6 +290,47 @@ def importance_score_model(weights: tuple[float, float, float], scale: float) ->
                   weights=[float(x) for x in weights], scale=float(scale))
 
 
+# --- SelectPages ----------------------------------------------------------------------------
+
+_SELECT_INPUTS = ["score", "valid", "pinned", "attend_pages"]
+
+
+def select_pages_function() -> FunctionProto:
+    """``tieredkv::SelectPages`` (no attributes), equal to ``select_pages``.
+
+    Inputs: score [B, M] float32; valid, pinned [B, M] bool; attend_pages [B] int64.
+    Output: selected [B, M] bool. TopK over the candidates (valid, not pinned) with K = M,
+    sorted (ties: lower column first), ranks scattered back to columns; a candidate is selected
+    when its rank is below ``attend_pages - #(valid pinned)``, every valid page when
+    ``attend_pages`` covers them all.
+    """
+    b = _Body()
+    m = _dim(b, "score", 1)
+    count = lambda x: b.op("ReduceSum", b.op("Cast", x, to=_I64), b.const([1], _I64), keepdims=0)  # noqa: E731
+    pinned = b.op("And", "pinned", "valid")
+    cand = b.op("And", "valid", b.op("Not", "pinned"))
+    ranked = b.op("Where", cand, "score", b.const(float("-inf")))
+    values, order = b._name("topk_values"), b._name("topk_order")
+    b.nodes.append(helper.make_node("TopK", [ranked, m], [values, order], axis=-1, largest=1, sorted=1))
+    cols = b.op("Expand", _unsqueeze(b, b.op("Range", b.const(0, _I64), _scalar(b, m), b.const(1, _I64)), 0),
+                b.op("Shape", "score"))
+    zeros = b.op("ConstantOfShape", b.op("Shape", "score"), value=helper.make_tensor("zero", _I64, [1], [0]))
+    rank = b.op("ScatterElements", zeros, order, cols, axis=1)
+    extra = _unsqueeze(b, b.op("Sub", "attend_pages", count(pinned)), 1)
+    top = b.op("And", cand, b.op("Less", rank, extra))
+    every = _unsqueeze(b, b.op("GreaterOrEqual", "attend_pages", count("valid")), 1)
+    b.op("And", "valid", b.op("Or", b.op("Or", pinned, every), top), out="selected")
+    return _function(SELECT_PAGES, _SELECT_INPUTS, ["selected"], b, [], plugin=False)
+
+
+def select_pages_model() -> ModelProto:
+    """A one-node model running SelectPages (all sizes dynamic)."""
+    bool_ = TensorProto.BOOL
+    ins = [("score", _F32, ["B", "M"]), ("valid", bool_, ["B", "M"]), ("pinned", bool_, ["B", "M"]),
+           ("attend_pages", _I64, ["B"])]
+    return _model(select_pages_function(), ins, [("selected", bool_, ["B", "M"])])
+
+
 # --- KVAppend -------------------------------------------------------------------------------
 
 _APPEND_INPUTS = ["k_pool", "v_pool", "k_new", "v_new", "slot", "offset"]
@@ -306,7 +338,7 @@ _APPEND_OUTPUTS = ["k_pool_out", "v_pool_out"]
 
 
 def kv_append_function() -> FunctionProto:
-    """``tieredkv::KVAppend``, equal to :func:`kv_append`.
+    """``tieredkv::KVAppend``, equal to ``kv_append``.
 
     Inputs: k_pool, v_pool [C, KVH, P, D]; k_new, v_new [N, KVH, D] (pool dtype); slot [N]
     int64; offset [N] int64. Outputs: k_pool_out, v_pool_out [C, KVH, P, D]. One ScatterND

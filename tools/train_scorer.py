@@ -34,7 +34,7 @@ from tieredkv.models.cache import ContiguousKVCache
 from tieredkv.models.hub import resolve_model
 from tieredkv.models.llama import prefill
 from tieredkv.models.loading import load_checkpoint
-from tieredkv.plugins.importance import distance_bucket, relevance
+from tieredkv.plugins.importance_score import distance_bucket, relevance
 from tieredkv.runtime.eval.data import pg_essays_text
 from tieredkv.runtime.tiered.scorer import ImportanceScorer
 

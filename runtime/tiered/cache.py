@@ -26,9 +26,11 @@ import torch
 
 from tieredkv.errors import ConfigError
 from tieredkv.models.cache import KVCache, KVSpec, Step
-from tieredkv.plugins.attention import PAD_PAGE_INDEX, attention_over_pages
+from tieredkv.plugins.tiered_attention import PAD_PAGE_INDEX, attention_over_pages
 from tieredkv.plugins.codec import CODECS
 from tieredkv.plugins.codec import page_bytes as codec_page_bytes
+from tieredkv.plugins.importance_score import RELEVANCE_ONLY, importance_score, mix
+from tieredkv.plugins.select_pages import ATTEND_ALL, select_pages
 from tieredkv.runtime.tiered.config import KV_DTYPES, TieredKVConfig, resolve_budgets
 from tieredkv.runtime.tiered.manager import StepAccess, TierManager
 from tieredkv.runtime.tiered.metrics import TierMetrics
@@ -58,7 +60,6 @@ class TieredKVCache(KVCache):
                               "it. Use lru, lfu, lfu-importance, h2o, streaming or full")
         self.scorer = scorer or ImportanceScorer.for_model(spec.num_layers, spec.head_dim, path=config.scorer_weights,
                                                            weights=config.score_weights)
-        self.scorer.weights = config.score_weights
         self.selection_weights = config.selection_weights
         self.mgr = TierManager(num_layers=spec.num_layers, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                                dtype=spec.dtype, config=config, budgets=self.budgets, policy=self.policy,
@@ -155,6 +156,7 @@ class TieredKVCache(KVCache):
                 "write_off": pos % P,
                 "index": index,
                 "tokens": tokens,
+                "distance": distance,
                 "pos": self.scorer.positions(distance),  # [L, M]: the same distances for every layer
                 "seq_len": torch.tensor([n]),
                 "past": torch.tensor([past]),
@@ -220,16 +222,20 @@ class TieredKVCache(KVCache):
             t_score = time.perf_counter()
             sal = self._saliency(layer, ctx)
             cand = ~t0 if not t0.all() else t0
-            rel, rank = self.scorer.relevance_and_rank(
-                layer, q[b : b + 1, :, -1], mgr.kmin[layer, rows].unsqueeze(0), mgr.kmax[layer, rows].unsqueeze(0),
-                ctx["tokens"].unsqueeze(0), cand.unsqueeze(0),
-                head_rank=decode and self.config.selection_aggregate == "head-rank")
-            rel, rank = rel[0], rank[0]
+            args = (q[b : b + 1, :, -1], mgr.kmin[layer, rows].unsqueeze(0), mgr.kmax[layer, rows].unsqueeze(0),
+                    ctx["tokens"].unsqueeze(0), ctx["distance"].unsqueeze(0), sal.unsqueeze(0), cand.unsqueeze(0),
+                    self.scorer.position[layer])
+            rel = importance_score(*args, RELEVANCE_ONLY)[0]
             pos = ctx["pos"][layer]
             t_sel = time.perf_counter()
             resident = mgr.resident(layer, rows)
             if decode:
-                selected = self._select(self.scorer.mix(rank, pos, sal, self.selection_weights), t0)
+                aggregate = self.config.selection_aggregate
+                score = rel if self.selection_weights == RELEVANCE_ONLY and aggregate == "share" else \
+                    importance_score(*args, self.selection_weights, aggregate=aggregate)[0]
+                budget = self.budgets.attention_pages
+                selected = select_pages(score.unsqueeze(0), torch.ones(1, len(t0), dtype=torch.bool), t0.unsqueeze(0),
+                                        torch.tensor([ATTEND_ALL if budget is None else budget]))[0]
                 attended = selected if self.config.mode == "exact" else selected & resident
             else:
                 selected = attended = torch.ones_like(t0)
@@ -384,18 +390,6 @@ class TieredKVCache(KVCache):
                              resident=mgr.resident(layer, rows), rel=rel, sal=self._saliency(layer, ctx), mass=mass)
         self.end_step(step)
 
-    def _select(self, score: torch.Tensor, t0: torch.Tensor) -> torch.Tensor:
-        budget = self.budgets.attention_pages
-        n = len(score)
-        if budget is None or budget >= n:
-            return torch.ones(n, dtype=torch.bool)
-        extra = budget - int(t0.sum())
-        selected = t0.clone()
-        if extra > 0:
-            top = torch.topk(score.masked_fill(t0, float("-inf")), min(extra, n - int(t0.sum()))).indices
-            selected[top] = True
-        return selected
-
     def _observed_importance(self, rel: torch.Tensor, pos: torch.Tensor, sal: torch.Tensor,
                              attended: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
         """The importance kept between steps: relevance is the observed attention share
@@ -404,7 +398,7 @@ class TieredKVCache(KVCache):
             obs = torch.zeros_like(rel)
             obs[attended] = mass / mass.max().clamp(min=1e-30)
             rel = torch.where(attended, obs, rel)
-        return self.scorer.mix(rel, pos, sal)
+        return mix(self.config.score_weights, rel, pos, sal)
 
     def end_step(self, step: Step) -> None:
         decode = step.num_new == 1

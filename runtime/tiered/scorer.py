@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from tieredkv.errors import ConfigError, CorruptCheckpointError
-from tieredkv.plugins.importance import (bound_logits, cosine_position_init, head_rank_of_bounds, position_value,
-                                         relevance, share_of_bounds)
+from tieredkv.plugins.importance_score import cosine_position_init, position_value
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 
@@ -43,32 +42,9 @@ class ImportanceScorer(nn.Module):
         h = torch.relu(k.float() @ self.w1[layer] + self.b1[layer])
         return torch.sigmoid(h @ self.w2[layer] + self.b2[layer]).mean(-1)
 
-    def relevance(self, layer: int, q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
-                  page_tokens: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-        """Relevance [B, M] of every page for the current query (tieredkv.plugins.importance):
-        the estimated share among ``candidates`` [B, M] (the pages competing for the attention
-        budget: T0 is attended anyway, and its sink pages would otherwise dominate the
-        normalization); 0 for the others."""
-        return relevance(q, kmin, kmax, page_tokens, candidates)
-
-    def relevance_and_rank(self, layer: int, q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
-                           page_tokens: torch.Tensor, candidates: torch.Tensor, *,
-                           head_rank: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``relevance`` and the ranking selection uses, from one evaluation of the bounds:
-        the relevance itself, or with ``head_rank`` (``selection_aggregate = "head-rank"``)
-        each page's best per-head rank (tieredkv.plugins.importance.head_rank_relevance)."""
-        ub = bound_logits(q, kmin, kmax, page_tokens, candidates)
-        rel = share_of_bounds(ub)
-        return rel, (head_rank_of_bounds(ub, candidates) if head_rank else rel)
-
     def positions(self, distance: torch.Tensor) -> torch.Tensor:
         """The position signal of every layer [L, ...] for token distances [...]."""
         return position_value(distance, self.position.T).movedim(-1, 0)
-
-    def mix(self, rel: torch.Tensor, pos: torch.Tensor, sal: torch.Tensor,
-            weights: tuple[float, float, float] | None = None) -> torch.Tensor:
-        w_rel, w_pos, w_sal = weights or self.weights
-        return w_rel * rel + w_pos * pos + w_sal * sal
 
     # ------------------------------------------------------------------ file
     def save(self, path: str | Path, meta: dict | None = None) -> Path:

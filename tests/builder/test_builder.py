@@ -90,14 +90,16 @@ def test_graph_passes_full_check_and_declares_the_interface(graph, model):
     warm = options.warm_codec is not None
     assert [i.name for i in proto.graph.input] == step_input_names(n, tiered_kv=tiered, warm=warm)
     assert [o.name for o in proto.graph.output] == step_output_names(n, tiered_kv=tiered)
-    plugin_nodes = [nd for nd in proto.graph.node if nd.domain == DOMAIN]
+    custom_nodes = [nd for nd in proto.graph.node if nd.domain == DOMAIN]
     scorers = (2 if options.selection_weights == MIXED else 1) if tiered else 0
-    assert sorted(nd.op_type for nd in plugin_nodes) == sorted(
-        ["KVAppend", "TieredAttention"] * n + ["ImportanceScore"] * scorers * n)
-    for nd in plugin_nodes:
+    assert sorted(nd.op_type for nd in custom_nodes) == sorted(
+        ["KVAppend", "TieredAttention"] * n + ["ImportanceScore"] * scorers * n + ["SelectPages"] * tiered * n)
+    plugin_nodes = [nd for nd in custom_nodes if nd.op_type != "SelectPages"]
+    for nd in custom_nodes:  # SelectPages has no plugin: TensorRT inlines its body
         attrs = {a.name: a for a in nd.attribute}
-        assert attrs["plugin_version"].s.decode() == PLUGIN_VERSION
-    want_fns = {"KVAppend", "TieredAttention"} | ({"ImportanceScore"} if tiered else set())
+        assert (attrs["plugin_version"].s.decode() if nd in plugin_nodes else attrs.get("plugin_version")) == \
+            (PLUGIN_VERSION if nd in plugin_nodes else None)
+    want_fns = {"KVAppend", "TieredAttention"} | ({"ImportanceScore", "SelectPages"} if tiered else set())
     if warm:  # TieredAttention reads the warm pool through the page decoder; the node names its codec
         want_fns.add(f"KVDecodePages_{options.warm_codec.replace('-', '_')}")
         for nd in plugin_nodes:

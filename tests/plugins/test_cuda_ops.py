@@ -252,8 +252,8 @@ def test_gpu_check_imports_this_checkouts_module_without_the_package():
         "print(hasattr(sys.modules['tieredkv'], '__file__'))")
     path, modules, has_init = out.split("\n")[:3]
     assert Path(path) == ROOT / "plugins" / "cuda_ops.py"
-    assert modules.split() == ["tieredkv", "tieredkv.errors", "tieredkv.plugins", "tieredkv.plugins.attention",
-                               "tieredkv.plugins.cuda_ops", "tieredkv.plugins.importance"]
+    assert modules.split() == ["tieredkv", "tieredkv.errors", "tieredkv.plugins", "tieredkv.plugins.tiered_attention",
+                               "tieredkv.plugins.cuda_ops", "tieredkv.plugins.importance_score"]
     assert has_init == "False"  # the bare package, not tieredkv/__init__.py
 
 

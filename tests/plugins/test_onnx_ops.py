@@ -9,8 +9,9 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 from onnx import TensorProto  # noqa: E402
 
-from tieredkv.plugins.attention import tiered_attention  # noqa: E402
-from tieredkv.plugins.importance import importance_score  # noqa: E402
+from tieredkv.plugins.tiered_attention import tiered_attention  # noqa: E402
+from tieredkv.plugins.importance_score import importance_score  # noqa: E402
+from tieredkv.plugins.kv_append import kv_append  # noqa: E402
 from tieredkv.plugins.onnx_ops import (  # noqa: E402
     DOMAIN,
     IMPORTANCE_SCORE,
@@ -19,7 +20,6 @@ from tieredkv.plugins.onnx_ops import (  # noqa: E402
     PLUGIN_VERSION,
     TIERED_ATTENTION,
     importance_score_model,
-    kv_append,
     kv_append_model,
     tiered_attention_model,
 )

@@ -8,7 +8,6 @@ import torch
 from tieredkv.plugins import (
     cosine_position_init,
     distance_bucket,
-    head_rank_relevance,
     importance_score,
     merge_attention,
     quest_upper_bound,
@@ -122,7 +121,7 @@ def test_head_rank_selection_is_the_union_of_every_heads_top_pages(seed):
     q = torch.randn(B, H, D, generator=gen)
     tokens = torch.randint(1, 17, (B, M), generator=gen)
     mask = torch.rand(B, M, generator=gen) > 0.2
-    score = head_rank_relevance(q, kmin, kmax, tokens, mask)
+    score = relevance(q, kmin, kmax, tokens, mask, aggregate="head-rank")
     assert (score[~mask] == 0).all() and (score[mask] > 0).all() and (score <= 1).all()
     ub = quest_upper_bound(q, kmin, kmax) / math.sqrt(D) + torch.log(tokens.float()).unsqueeze(1)
     for b in range(B):
@@ -142,7 +141,7 @@ def test_head_rank_with_one_head_orders_by_the_bound():
     q = torch.randn(1, 1, 4, generator=gen)
     tokens = torch.full((1, 12), 4)
     mask = torch.ones(1, 12, dtype=torch.bool)
-    by_rank = torch.argsort(head_rank_relevance(q, kmin, kmax, tokens, mask)[0], descending=True)
+    by_rank = torch.argsort(relevance(q, kmin, kmax, tokens, mask, aggregate="head-rank")[0], descending=True)
     assert torch.equal(by_rank, torch.argsort(relevance(q, kmin, kmax, tokens, mask)[0], descending=True))
 
 

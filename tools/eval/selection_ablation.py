@@ -22,7 +22,7 @@ import torch
 
 from tieredkv.models.hub import resolve_model
 from tieredkv.models.loading import load_checkpoint
-from tieredkv.plugins.attention import tiered_attention
+from tieredkv.plugins.tiered_attention import tiered_attention
 from tieredkv.runtime.eval.data import pg_essays_text
 from tieredkv.runtime.eval.harness import CacheMethod
 from tieredkv.runtime.eval.perplexity import perplexity

@@ -21,6 +21,8 @@ import math
 
 import torch
 
+#: ImportanceScore weights that make its score the relevance alone
+RELEVANCE_ONLY = (1.0, 0.0, 0.0)
 #: distances below this many tokens share bucket 0; bucket i >= 1 covers [2^(i-1), 2^i) * EXACT_TOKENS
 EXACT_TOKENS = 16
 
@@ -69,15 +71,16 @@ def bound_logits(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_t
     return ub.masked_fill(~page_mask.unsqueeze(1), float("-inf"))
 
 
-def share_of_bounds(ub: torch.Tensor) -> torch.Tensor:
-    """``relevance`` from ``bound_logits`` [B, H, M]: each page's largest estimated attention
-    share over the heads, normalized so the best page is 1; [B, M], 0 for masked pages."""
+def _share_of_bounds(ub: torch.Tensor) -> torch.Tensor:
+    """Each page's largest estimated attention share over the heads, from ``bound_logits``
+    [B, H, M], normalized so the best page is 1; [B, M], 0 for masked pages."""
     share = torch.softmax(ub, dim=-1).nan_to_num(0.0).amax(dim=1)  # [B, M]
     return share / share.amax(dim=-1, keepdim=True).clamp(min=1e-30)
 
 
-def head_rank_of_bounds(ub: torch.Tensor, page_mask: torch.Tensor) -> torch.Tensor:
-    """``head_rank_relevance`` from ``bound_logits`` [B, H, M] and the page mask [B, M]."""
+def _head_rank_of_bounds(ub: torch.Tensor, page_mask: torch.Tensor) -> torch.Tensor:
+    """Each page's best per-head rank by ``bound_logits`` [B, H, M] (ties: lower page first) as
+    1 - rank / M; [B, M], 0 for masked pages."""
     m = ub.shape[-1]
     order = torch.sort(ub, dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(m).expand_as(order))
@@ -85,38 +88,54 @@ def head_rank_of_bounds(ub: torch.Tensor, page_mask: torch.Tensor) -> torch.Tens
     return torch.where(page_mask, score, torch.zeros_like(score))
 
 
+#: how ``relevance`` combines a layer's query heads: ``share`` (every implementation) or
+#: ``head-rank`` (the PyTorch reference only, for now)
+AGGREGATES = ("share", "head-rank")
+
+
 def relevance(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_tokens: torch.Tensor,
-              page_mask: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
-    """Estimated attention share of each page for the current query, normalized so the
-    best page is 1. Returns [B, M] (0 where ``page_mask`` is False)."""
-    return share_of_bounds(bound_logits(q, kmin, kmax, page_tokens, page_mask, scale=scale))
+              page_mask: torch.Tensor, *, scale: float | None = None, aggregate: str = "share") -> torch.Tensor:
+    """The query-relevance signal [B, M] (0 where ``page_mask`` is False).
 
-
-def head_rank_relevance(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_tokens: torch.Tensor,
-                        page_mask: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
-    """Selection ranking that gives every query head a place in the attention budget
-    (Quest selects per head; here a layer's heads share its pages): each head ranks the
+    ``aggregate = "share"``: the estimated attention share of each page for the current query
+    (largest over the query heads), normalized so the best page is 1.
+    ``aggregate = "head-rank"``: a ranking that gives every query head a place in the attention
+    budget (Quest selects per head; here a layer's heads share its pages): each head ranks the
     pages by its bound (``bound_logits``; ties: lower page first), and a page scores
-    1 - (its best rank over the heads) / M. The top k pages by this score are the union of
-    every head's top j pages for the largest j that fits, ties by page index.
-    Returns [B, M] in (0, 1] for kept pages, 0 where ``page_mask`` is False."""
-    return head_rank_of_bounds(bound_logits(q, kmin, kmax, page_tokens, page_mask, scale=scale), page_mask)
+    1 - (its best rank over the heads) / M, in (0, 1]. The top k pages by this score are the
+    union of every head's top j pages for the largest j that fits, ties by page index.
+    """
+    ub = bound_logits(q, kmin, kmax, page_tokens, page_mask, scale=scale)
+    if aggregate == "share":
+        return _share_of_bounds(ub)
+    if aggregate == "head-rank":
+        return _head_rank_of_bounds(ub, page_mask)
+    raise ValueError(f"aggregate: expected one of {AGGREGATES}, got {aggregate!r}")
+
+
+def mix(weights: tuple[float, float, float], relevance: torch.Tensor, position: torch.Tensor,
+        saliency: torch.Tensor) -> torch.Tensor:
+    """w_rel * relevance + w_pos * position + w_sal * saliency (the score's mix of its signals;
+    the runtime mixes its observed relevance with the same function)."""
+    w_rel, w_pos, w_sal = weights
+    return w_rel * relevance + w_pos * position + w_sal * saliency
 
 
 def importance_score(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_tokens: torch.Tensor,
                      distance: torch.Tensor, saliency: torch.Tensor, page_mask: torch.Tensor,
                      position_table: torch.Tensor, weights: tuple[float, float, float], *,
-                     scale: float | None = None) -> torch.Tensor:
-    """The mixed importance score [B, M] in [0, 1] (0 where ``page_mask`` is False).
+                     scale: float | None = None, aggregate: str = "share") -> torch.Tensor:
+    """ImportanceScore: the mixed score [B, M] in [0, 1] (0 where ``page_mask`` is False).
 
     q [B, H, D] — the query the step attends with (the last new token's);
     kmin, kmax [B, M, KVH, D]; page_tokens [B, M] — tokens written in the page;
     distance [B, M] — query position minus the page's last token position;
-    saliency [B, M] in [0, 1]; page_mask [B, M] bool; position_table [NB];
-    weights (relevance, position, saliency), non-negative, summing to 1.
+    saliency [B, M] in [0, 1]; page_mask [B, M] bool (the pages competing); position_table [NB];
+    weights (relevance, position, saliency), non-negative, summing to 1;
+    aggregate — how :func:`relevance` combines the query heads (the ONNX and CUDA forms
+    implement ``share``).
     """
-    w_rel, w_pos, w_sal = weights
-    rel = relevance(q, kmin, kmax, page_tokens, page_mask, scale=scale) if w_rel else torch.zeros_like(saliency)
-    pos = position_value(distance, position_table)
-    score = w_rel * rel + w_pos * pos + w_sal * saliency.float()
+    rel = (relevance(q, kmin, kmax, page_tokens, page_mask, scale=scale, aggregate=aggregate) if weights[0]
+           else torch.zeros_like(saliency))
+    score = mix(weights, rel, position_value(distance, position_table), saliency.float())
     return torch.where(page_mask, score, torch.zeros_like(score))
