@@ -5,8 +5,8 @@ the same functions the TensorRT plugins' ``enqueue`` calls. This module binds th
 ctypes: each op takes torch CUDA tensors, checks them, allocates its outputs (or writes the
 ``out=`` tensors it is given) and enqueues the kernel on torch's current stream of the
 tensors' device; it returns without synchronizing. The semantics are those of the PyTorch
-references of ``tieredkv.plugins`` (docs/plugins.md), which ``tools/gpu_check.py`` compares
-each op with on a GPU.
+references of ``tieredkv.plugins`` (docs/plugins.md); each op's test module in tests/plugins
+compares the op with its reference on a GPU (``cuda`` marker, run by ``tools/gpu_check.sh``).
 
 Imports need only torch and ctypes (plus ``tieredkv.errors``, which imports nothing), and
 loading the library needs no GPU, so the host codec functions run on any machine.

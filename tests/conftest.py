@@ -27,3 +27,13 @@ def pg_ids(smollm):
     from tieredkv.runtime.eval.data import pg_essays_text
 
     return smollm.tokenizer.encode(pg_essays_text(), add_bos=False)
+
+
+def pytest_collection_modifyitems(config, items):
+    """``cuda`` tests (an implementation of an op run on the GPU) are skipped without a CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (tools/gpu_check.sh runs these on one)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -1,18 +1,15 @@
-"""Shared by the tests of plugins/csrc (test_cuda_build.py, test_cuda_codec.py, test_cuda_ops.py):
-one CMake build of the CUDA libraries per test session, libtieredkv_kernels.so of that build
-loaded through ``tieredkv.plugins.cuda_ops`` (its ctypes binding), and tools/gpu_check.py
-imported as a module (for its test data). Building needs nvcc and cmake, no GPU; the TensorRT
-plugin library is built too when ``TRT_INCLUDE_DIR`` names a directory holding NvInfer.h."""
+"""Shared by the tests of plugins/csrc (tests/plugins: test_cuda_build.py, test_codec.py,
+test_cuda_ops.py): one CMake build of the CUDA libraries per test session, and
+libtieredkv_kernels.so of that build loaded through ``tieredkv.plugins.cuda_ops`` (its ctypes
+binding). Building needs nvcc and cmake, no GPU; the TensorRT plugin library is built too when
+``TRT_INCLUDE_DIR`` names a directory holding NvInfer.h."""
 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import shutil
 import subprocess
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -64,15 +61,3 @@ def build_plugins(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def load_kernels(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     """libtieredkv_kernels.so of the session build, loaded by ``cuda_ops.load_library`` (no GPU needed)."""
     return cuda_ops.load_library(build_plugins(tmp_path_factory) / "libtieredkv_kernels.so")
-
-
-def load_gpu_check() -> types.ModuleType:
-    """tools/gpu_check.py as the module ``gpu_check`` (imports without a GPU; it finds the
-    installed ``tieredkv.plugins`` imported above, so it keeps this session's package)."""
-    if "gpu_check" in sys.modules:
-        return sys.modules["gpu_check"]
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = gpu_check  # its dataclasses look their module up
-    spec.loader.exec_module(gpu_check)
-    return gpu_check

@@ -1,0 +1,252 @@
+"""TieredAttention: the reference against naive attention, and every implementation (ONNX
+node in ONNX Runtime, CUDA kernel) against the reference on inputs of awkward sizes (GQA, MQA,
+MHA, odd head dims and page sizes, T > 1, padding columns, sequences that see nothing, queries
+before every key, causal cuts inside pages), with and without warm (encoded) pages."""
+
+import math
+
+import pytest
+import torch
+from op_impls import IMPLEMENTATIONS, TOLERANCE, assert_close, assert_close_lse, check_node, on_cuda, run_onnx
+
+from tieredkv.plugins.codec import CODECS
+from tieredkv.plugins.inputs import tiered_attention_inputs, warm_inputs
+from tieredkv.plugins.tiered_attention import merge_attention, tiered_attention
+
+CASES = [
+    dict(B=1, H=6, KVH=3, T=1, D=64, P=16, M=1),
+    dict(B=1, H=9, KVH=3, T=5, D=12, P=5, M=7, partial=True),
+    dict(B=2, H=6, KVH=2, T=1, D=12, P=5, M=7, blind=True),
+    dict(B=3, H=9, KVH=3, T=5, D=64, P=16, M=7, blind=True, partial=True),
+    dict(B=3, H=6, KVH=2, T=5, D=12, P=16, M=1),
+    dict(B=2, H=4, KVH=1, T=5, D=12, P=5, M=7, partial=True),  # MQA
+    dict(B=2, H=6, KVH=6, T=1, D=12, P=5, M=7, blind=True),  # MHA
+    dict(B=3, H=9, KVH=3, T=1, D=64, P=16, M=9, pad=2, C=23, empty_row=True),  # SmolLM2 decode
+    dict(B=3, H=9, KVH=3, T=3, D=64, P=5, M=11, pad=3, C=17),
+    dict(B=2, H=6, KVH=2, T=2, D=80, P=7, M=6, pad=1, C=9),
+    dict(B=1, H=8, KVH=8, T=4, D=128, P=16, M=13, C=13),
+    dict(B=2, H=4, KVH=1, T=1, D=256, P=4, M=5, pad=1, C=7, empty_row=True),
+    dict(B=2, H=8, KVH=2, T=2, D=128, P=16, M=300, pad=20, C=320),  # a long page list
+]
+WARM_CASES = [CASES[1], CASES[3], CASES[5], CASES[7], CASES[9],
+              dict(B=2, H=6, KVH=3, T=2, D=12, P=13, M=9, pad=2, C=8), dict(B=2, H=6, KVH=2, T=1, D=3, P=16, M=7)]
+
+
+def case_id(case: dict) -> str:
+    return ",".join(f"{k}{v}" if not isinstance(v, bool) else k for k, v in case.items())
+
+
+def make(case: dict, seed: int, *, codec: str | None = None) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    inputs = tiered_attention_inputs(gen, **case)
+    return inputs if codec is None else warm_inputs(gen, inputs, codec)
+
+
+def run(impl: str, inputs: dict, scale: float, request) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, page_probs) of TieredAttention by ``impl`` (``inputs``: the reference's arguments)."""
+    codec = inputs.get("warm_codec")
+    tensors = {k: v for k, v in inputs.items() if k != "warm_codec"}
+    _, kvh, p, d = inputs["k_pool"].shape
+    if impl == "onnx":
+        pytest.importorskip("onnx")
+        from tieredkv.plugins.onnx_ops import tiered_attention_model
+
+        if codec is not None and CODECS[codec].keyframe:
+            pytest.skip(f"{codec}: the delta codec has no ONNX form")
+        got = run_onnx(tiered_attention_model(scale, warm_codec=codec, page_shape=None if codec is None else (kvh, p, d)),
+                       tensors)
+        return got["out"], got["lse"], got["page_probs"]
+    from tieredkv.plugins import cuda_ops
+
+    lib = request.getfixturevalue("kernels")
+    dev = on_cuda(tensors)
+    if codec is None:
+        got = cuda_ops.tiered_attention(**dev, scale=scale, lib=lib)
+    else:
+        warm = dict(warm_pool=dev.pop("warm_pool"), warm_row=dev.pop("warm_row"))
+        got = cuda_ops.tiered_attention_warm(**dev, **warm, desc=cuda_ops.codec_desc(codec, kvh, p, d, lib=lib),
+                                             scale=scale, lib=lib)
+    torch.cuda.synchronize()
+    return tuple(x.cpu() for x in got)
+
+
+def assert_matches(got, ref, atol: float) -> None:
+    (out, lse, probs), (ref_out, ref_lse, ref_probs) = got, ref
+    assert_close(out, ref_out, atol, "out")
+    assert_close(probs, ref_probs, atol, "page_probs")
+    assert_close_lse(lse, ref_lse, atol)
+    seen = torch.isfinite(lse)
+    assert torch.allclose(probs.sum(-1)[seen], torch.ones(int(seen.sum())), atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the reference
+
+
+def naive(q, keys, values, positions, past):
+    """q [H, T, D]; keys/values [KVH, S, D]; positions [S]; causal by position."""
+    h, t, d = q.shape
+    g = h // keys.shape[0]
+    k, v = keys.repeat_interleave(g, 0), values.repeat_interleave(g, 0)
+    logits = q @ k.transpose(1, 2) / math.sqrt(d)
+    allowed = positions.view(1, -1) <= (past + torch.arange(t)).view(-1, 1)
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(logits, -1) @ v, torch.logsumexp(logits, -1)
+
+
+@pytest.mark.parametrize("h,kvh,d,p,t", [(4, 2, 8, 4, 1), (6, 3, 12, 5, 3), (9, 3, 64, 16, 1), (2, 1, 6, 3, 7)])
+def test_reference_equals_naive_attention(h, kvh, d, p, t):
+    gen = torch.Generator().manual_seed(h * 100 + d)
+    n_pages, pool = 7, 11
+    seq_len = n_pages * p - 2  # last page partly filled
+    past = seq_len - t
+    k_pool = torch.randn(pool, kvh, p, d, generator=gen)
+    v_pool = torch.randn(pool, kvh, p, d, generator=gen)
+    table = torch.randperm(pool, generator=gen)[:n_pages]
+    mask = torch.tensor([True, False, True, True, False, True, True])  # pages 1 and 4 masked out
+    q = torch.randn(1, h, t, d, generator=gen)
+    out, lse, probs = tiered_attention(q, k_pool, v_pool, table[None], mask[None], torch.arange(n_pages)[None],
+                                       torch.tensor([seq_len]), torch.tensor([past]))
+    keep = mask.nonzero().flatten()
+    keys = k_pool[table[keep]].permute(1, 0, 2, 3).reshape(kvh, -1, d)
+    vals = v_pool[table[keep]].permute(1, 0, 2, 3).reshape(kvh, -1, d)
+    pos = (keep.view(-1, 1) * p + torch.arange(p)).flatten()
+    valid = pos < seq_len
+    ref_out, ref_lse = naive(q[0], keys[:, valid], vals[:, valid], pos[valid], past)
+    assert torch.allclose(out[0], ref_out, atol=1e-5)
+    assert torch.allclose(lse[0], ref_lse, atol=1e-5)
+    assert torch.allclose(probs.sum(-1), torch.ones(1, h, t), atol=1e-5)
+    assert (probs[..., ~mask] == 0).all()
+
+
+def test_merge_of_blocks_equals_one_call():
+    gen = torch.Generator().manual_seed(0)
+    h, kvh, d, p, n = 6, 2, 8, 4, 9
+    k_pool, v_pool = torch.randn(n, kvh, p, d, generator=gen), torch.randn(n, kvh, p, d, generator=gen)
+    q = torch.randn(1, h, 2, d, generator=gen)
+    args = (torch.tensor([n * p]), torch.tensor([n * p - 2]))
+    full_out, full_lse, full_probs = tiered_attention(q, k_pool, v_pool, torch.arange(n)[None],
+                                                      torch.ones(1, n, dtype=torch.bool), torch.arange(n)[None], *args)
+    outs, lses, probs = [], [], []
+    for block in torch.arange(n).split(4):
+        o, l, pp = tiered_attention(q, k_pool, v_pool, block[None], torch.ones(1, len(block), dtype=torch.bool),
+                                    block[None], *args)
+        outs.append(o), lses.append(l), probs.append(pp)
+    out, lse, weights = merge_attention(outs, lses)
+    assert torch.allclose(out, full_out, atol=1e-5) and torch.allclose(lse, full_lse, atol=1e-5)
+    merged = torch.cat([pp * w.unsqueeze(-1) for pp, w in zip(probs, weights)], dim=-1)
+    assert torch.allclose(merged, full_probs, atol=1e-5)
+
+
+def test_nothing_visible_gives_zeros():
+    q = torch.randn(1, 2, 1, 4)
+    pool = torch.randn(3, 1, 2, 4)
+    out, lse, probs = tiered_attention(q, pool, pool, torch.tensor([[0, 1]]), torch.tensor([[False, False]]),
+                                       torch.tensor([[0, 1]]), torch.tensor([4]), torch.tensor([3]))
+    assert (out == 0).all() and torch.isinf(lse).all() and (probs == 0).all()
+
+
+def test_the_awkward_cases_happen():
+    """The input builder's options do what they say: the blind sequence and the empty row see
+    nothing, a partial sequence's first queries see nothing and its later ones see keys."""
+    _, lse, _ = tiered_attention(**make(CASES[3], seed=1))
+    assert torch.isneginf(lse[-1]).all()  # blind
+    assert torch.isneginf(lse[0, :, :3]).all() and torch.isfinite(lse[0, :, 3:]).all()  # partial
+    _, lse, _ = tiered_attention(**make(CASES[7], seed=1))
+    assert torch.isneginf(lse[0]).all()  # empty row
+
+
+@pytest.mark.parametrize("codec", sorted(CODECS))
+def test_reference_reads_warm_pages_from_their_bytes(codec):
+    """Warm pages decode as codec.decode_pages decodes them; reading their (wrong) pool pages
+    instead gives another answer, so the warm path is what the implementations are tested on."""
+    inputs = make(CASES[3], seed=5, codec=codec)
+    out, _, _ = tiered_attention(**inputs, scale=12 ** -0.5)
+    plain, _, _ = tiered_attention(**{k: v for k, v in inputs.items() if not k.startswith("warm")}, scale=12 ** -0.5)
+    assert (plain - out).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="all three or none"):
+        tiered_attention(**{k: v for k, v in inputs.items() if k != "warm_row"})
+
+
+# ----------------------------------------------------------------------------- implementations
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_implementation_matches_reference(impl, case, request):
+    inputs = make(case, seed=sum(case[k] for k in ("B", "H", "T", "M")))
+    scale = case["D"] ** -0.5
+    assert_matches(run(impl, inputs, scale, request), tiered_attention(**inputs, scale=scale), TOLERANCE[impl])
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("case", WARM_CASES, ids=case_id)
+@pytest.mark.parametrize("codec", sorted(CODECS))
+def test_warm_implementation_matches_reference(impl, codec, case, request):
+    inputs = make(case, seed=case["M"] + case["D"], codec=codec)
+    scale = case["D"] ** -0.5
+    assert_matches(run(impl, inputs, scale, request), tiered_attention(**inputs, scale=scale), TOLERANCE[impl])
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_warm_implementation_without_kept_warm_pages(impl, request):
+    """No kept warm page (every warm page masked): nothing to decode; equals the plain op."""
+    inputs = make(CASES[2], seed=4, codec="int4")
+    inputs["page_mask"] = inputs["page_mask"] & (inputs["warm_row"] < 0)
+    plain = tiered_attention(**{k: v for k, v in inputs.items() if not k.startswith("warm")}, scale=0.3)
+    assert_matches(run(impl, inputs, 0.3, request), plain, TOLERANCE[impl])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("codec", ["int4", "fp8-r2"])
+def test_cuda_warm_rows_outside_the_pool(kernels, codec):
+    """The kernel's defined behaviour beyond the spec: a warm row >= W is masked, any negative row
+    reads the pools like -1."""
+    from tieredkv.plugins import cuda_ops
+
+    inputs = make(CASES[9], seed=3, codec=codec)
+    w = inputs["warm_pool"].shape[0]
+    gen = torch.Generator().manual_seed(8)
+    u = torch.rand(inputs["warm_row"].shape, generator=gen)
+    row = torch.where(u > 0.8, w + torch.randint(0, 3, u.shape, generator=gen), inputs["warm_row"])
+    row = torch.where((u > 0.7) & (u <= 0.8) & (row < 0), -torch.randint(2, 9, u.shape, generator=gen), row)
+    ref_row = torch.where((row < 0) | (row >= w), -1, row)
+    ref = tiered_attention(**{**inputs, "page_mask": inputs["page_mask"] & (row < w), "warm_row": ref_row}, scale=0.1)
+    _, kvh, p, d = inputs["k_pool"].shape
+    dev = on_cuda({k: v for k, v in inputs.items() if k not in ("warm_codec", "warm_row", "warm_pool")})
+    got = cuda_ops.tiered_attention_warm(**dev, warm_pool=inputs["warm_pool"].cuda(), warm_row=row.cuda(),
+                                         desc=cuda_ops.codec_desc(codec, kvh, p, d, lib=kernels), scale=0.1,
+                                         lib=kernels)
+    torch.cuda.synchronize()
+    assert_matches(tuple(x.cpu() for x in got), ref, TOLERANCE["cuda"])
+
+
+# ----------------------------------------------------------------------------- the ONNX node
+
+
+def test_onnx_node_form():
+    onnx = pytest.importorskip("onnx")
+    from tieredkv.plugins.onnx_ops import TIERED_ATTENTION, tiered_attention_model
+
+    model = tiered_attention_model(0.125)
+    node = check_node(model, TIERED_ATTENTION)
+    assert next(a for a in node.attribute if a.name == "scale").f == pytest.approx(0.125)
+    warm = tiered_attention_model(0.125, warm_codec="fp8-r2", page_shape=(3, 16, 64))
+    onnx.checker.check_model(warm, full_check=True)
+    (node,) = warm.graph.node
+    assert node.op_type == TIERED_ATTENTION and len(node.input) == 10
+    assert next(a for a in node.attribute if a.name == "warm_codec").s.decode() == "fp8-r2"
+    assert [f.name for f in warm.functions] == [TIERED_ATTENTION, "KVDecodePages_fp8_r2"]
+    with pytest.raises(ValueError, match="delta coding"):
+        tiered_attention_model(0.125, warm_codec="fp8-r2-delta", page_shape=(3, 16, 64))
+
+
+def test_onnx_reference_evaluator_agrees():
+    """onnx.reference (the spec's own evaluator) runs the TieredAttention body too."""
+    pytest.importorskip("onnx")
+    from tieredkv.plugins.onnx_ops import tiered_attention_model
+
+    inputs = make(CASES[3], seed=7)
+    got = run_onnx(tiered_attention_model(12 ** -0.5), inputs, evaluator="reference")
+    out, _, page_probs = tiered_attention(**inputs, scale=12 ** -0.5)
+    assert_close(got["out"], out, 1e-5)
+    assert_close(got["page_probs"], page_probs, 1e-5)
