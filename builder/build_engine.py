@@ -181,11 +181,11 @@ def build(args: argparse.Namespace) -> Path:
     import torch
 
     from tieredkv import __version__
-    from tieredkv.builder.export import (StepGraphOptions, build_step_graph, initializer_bytes, save_step_graph,
-                                         step_input_names, step_output_names)
+    from tieredkv.builder.export import StepGraphOptions, build_step_graph, initializer_bytes, save_step_graph
     from tieredkv.models.loading import load_checkpoint
     from tieredkv.plugins.onnx_ops import (DOMAIN, IMPORTANCE_SCORE, KV_APPEND, OPSET, PLUGIN_NAMESPACE,
                                            PLUGIN_VERSION, TIERED_ATTENTION)
+    from tieredkv.runtime.tiered.engine_io import StepFeeds, StepOutputs
 
     loaded = load_checkpoint(source)
     model, config = loaded.model, loaded.config
@@ -244,9 +244,9 @@ def build(args: argparse.Namespace) -> Path:
                             "warm_codec": options.warm_codec},
             "tokenizer": TOKENIZER_DIR if loaded.tokenizer is not None else None,
             "graphs": {"step": {"file": STEP_GRAPH, "steps": ["decode", "prefill"],
-                                "inputs": step_input_names(n, tiered_kv=options.tiered_kv,
-                                                           warm=options.warm_codec is not None),
-                                "outputs": step_output_names(n, tiered_kv=options.tiered_kv)}},
+                                "inputs": StepFeeds.names(n, tiered_kv=options.tiered_kv,
+                                                          warm=options.warm_codec is not None),
+                                "outputs": StepOutputs.names(n, tiered_kv=options.tiered_kv)}},
             "ops": {"domain": DOMAIN, "plugin_namespace": PLUGIN_NAMESPACE,
                     "versions": {op: PLUGIN_VERSION for op in (TIERED_ATTENTION, KV_APPEND, IMPORTANCE_SCORE)
                                  if options.tiered_kv or op != IMPORTANCE_SCORE}},

@@ -7,46 +7,9 @@ dynamic). Attention runs on ``tieredkv::TieredAttention`` nodes, the K/V write o
 page selection on ``tieredkv::SelectPages`` (`tieredkv.plugins.onnx_ops`: custom domain,
 plugin attributes, local-function bodies that ONNX Runtime runs anywhere).
 
-Inputs (L layers, B sequences, T new tokens each, M listed pages, C_l pool pages of layer
-l, KVH kv heads, P page size, D head dim, NB position buckets)::
-
-    input_ids      [B, T] int64      the new tokens
-    positions      [B, T] int64      their RoPE positions
-    seq_len        [B] int64         tokens of the sequence including the new ones
-    page_index     [B, M] int64      logical index of each listed page in its sequence;
-                                     padding columns: an index past the sequence (ignored)
-    page_table     [L, B, M] int64   pool page of each listed page, per layer
-    page_mask      [L, B, M] bool    the listed page is in the layer's pool (device-resident,
-                                     or staged for this step)
-    write_slot     [L, B, T] int64   pool page each new token's K/V go to, per layer
-    write_offset   [B, T] int64      slot inside that page, in [0, P)
-    k_pool_{l}, v_pool_{l}  [C_l, KVH, P, D] float32, one pair per layer
-  tiered graphs (--tiered-kv) also:
-    page_pinned    [B, M] bool       T0 pages: attended whatever their score
-    page_tokens    [B, M] int64      tokens written in each page (new ones included)
-    attend_pages   [B] int64         attention budget in pages, T0 included (>= M: every page)
-    key_min, key_max [L, B, M, KVH, D] float32  per-page element-wise key summaries
-    page_saliency  [L, B, M] float32 mean learned saliency of each page's keys
-    position_table [L, NB] float32   the scorer's learned position table
-  graphs with a warm codec (--warm-codec) also:
-    page_warm_row  [L, B, M] int64   row of the layer's warm pool holding the listed page, or -1
-                                     (then the page is read from k_pool/v_pool); a warm page's
-                                     page_table entry is ignored (any valid slot)
-    warm_pool_{l}  [W_l, NB] uint8, one per layer: the layer's pages encoded with the codec in
-                                     the byte layout of codec.encode_pages (docs/codec.md)
-
-Outputs::
-
-    logits         [B, T, vocab] float32
-    k_new, v_new   [L, B, KVH, T, D] float32  the new tokens' K (rotated) and V, which the
-                                     runtime writes into its own pools
-  tiered graphs also:
-    page_selected  [L, B, M] bool    selection: T0, plus the top (attend_pages - |T0|) other
-                                     pages by ImportanceScore (ties: lower column first);
-                                     every valid page when attend_pages covers them all
-    page_relevance [L, B, M] float32 ImportanceScore's query relevance (0 on T0 and padding)
-    page_mass      [L, B, M] float32 attention mass per page (mean over query heads, sum over
-                                     the step's queries); 0 where not attended
+Inputs and outputs: ``StepFeeds`` and ``StepOutputs`` of ``tieredkv.runtime.tiered.engine_io``
+declare every one (name, dtype, shape, which graphs have it, what it means) — the graph's
+interface is read from there.
 
 A page is attended when selected and in the pool (``page_selected & page_mask``): the
 runtime puts non-resident pages in the pool (exact mode, prefill) or leaves them out and
@@ -96,9 +59,10 @@ from tieredkv.plugins.onnx_ops import (
     warm_functions,
 )
 from tieredkv.plugins.select_pages import select_pages
+from tieredkv.runtime.tiered.engine_io import StepFeeds, StepOutputs
 
-__all__ = ["StepGraphOptions", "PoolStep", "PROTOBUF_LIMIT", "build_step_graph", "step_input_names",
-           "step_output_names", "initializer_bytes", "random_step_inputs", "reference_step", "run_onnx",
+__all__ = ["StepGraphOptions", "PoolStep", "PROTOBUF_LIMIT", "build_step_graph", "initializer_bytes",
+           "random_step_inputs", "reference_step", "run_onnx",
            "save_step_graph", "PAD_INDEX", "RELEVANCE_ONLY"]
 
 _F32, _I64, _BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
@@ -142,24 +106,6 @@ class StepGraphOptions:
             raise ValueError(f"selection_weights: expected 3 non-negative floats summing to 1 (the runtime's "
                              f"selection_weights), got {self.selection_weights!r}")
         object.__setattr__(self, "selection_weights", w)
-
-
-_SHARED_INPUTS = ["input_ids", "positions", "seq_len", "page_index", "page_table", "page_mask", "write_slot",
-                  "write_offset"]
-_TIERED_INPUTS = ["page_pinned", "page_tokens", "attend_pages", "key_min", "key_max", "page_saliency",
-                  "position_table"]
-_TIERED_OUTPUTS = ["page_selected", "page_relevance", "page_mass"]
-
-
-def step_input_names(num_layers: int, *, tiered_kv: bool, warm: bool = False) -> list[str]:
-    names = list(_SHARED_INPUTS) + (list(_TIERED_INPUTS) if tiered_kv else []) + (["page_warm_row"] if warm else [])
-    for layer in range(num_layers):
-        names += [f"k_pool_{layer}", f"v_pool_{layer}"] + ([f"warm_pool_{layer}"] if warm else [])
-    return names
-
-
-def step_output_names(num_layers: int, *, tiered_kv: bool) -> list[str]:
-    return ["logits", "k_new", "v_new"] + (list(_TIERED_OUTPUTS) if tiered_kv else [])
 
 
 class _Graph(_Body):
@@ -316,30 +262,12 @@ def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
         g.op("Concat", *news["relevance"], axis=0, out="page_relevance")
         g.op("Concat", *news["mass"], axis=0, out="page_mass")
 
-    vi = helper.make_tensor_value_info
-    L = n_layers
-    ins = [vi("input_ids", _I64, ["B", "T"]), vi("positions", _I64, ["B", "T"]), vi("seq_len", _I64, ["B"]),
-           vi("page_index", _I64, ["B", "M"]), vi("page_table", _I64, [L, "B", "M"]),
-           vi("page_mask", _BOOL, [L, "B", "M"]), vi("write_slot", _I64, [L, "B", "T"]),
-           vi("write_offset", _I64, ["B", "T"])]
-    if tiered:
-        ins += [vi("page_pinned", _BOOL, ["B", "M"]), vi("page_tokens", _I64, ["B", "M"]),
-                vi("attend_pages", _I64, ["B"]), vi("key_min", _F32, [L, "B", "M", kvh, d]),
-                vi("key_max", _F32, [L, "B", "M", kvh, d]), vi("page_saliency", _F32, [L, "B", "M"]),
-                vi("position_table", _F32, [L, "NB"])]
     warm = options.warm_codec is not None
+    known = {"L": n_layers, "KVH": kvh, "P": p, "D": d, "V": c.vocab_size}
     if warm:
-        ins.append(vi("page_warm_row", _I64, [L, "B", "M"]))
-        warm_bytes = page_bytes(CODECS[options.warm_codec], kvh, p, d)
-    for layer in range(n_layers):
-        ins += [vi(f"{kv}_pool_{layer}", _F32, [f"C{layer}", kvh, p, d]) for kv in "kv"]
-        if warm:
-            ins.append(vi(f"warm_pool_{layer}", TensorProto.UINT8, [f"W{layer}", warm_bytes]))
-    outs = [vi("logits", _F32, ["B", "T", c.vocab_size]), vi("k_new", _F32, [L, "B", kvh, "T", d]),
-            vi("v_new", _F32, [L, "B", kvh, "T", d])]
-    if tiered:
-        outs += [vi("page_selected", _BOOL, [L, "B", "M"]), vi("page_relevance", _F32, [L, "B", "M"]),
-                 vi("page_mass", _F32, [L, "B", "M"])]
+        known["PB"] = page_bytes(CODECS[options.warm_codec], kvh, p, d)
+    ins = _value_infos(StepFeeds, n_layers, known, tiered_kv=tiered, warm=warm)
+    outs = _value_infos(StepOutputs, n_layers, known, tiered_kv=tiered, warm=warm)
     graph = helper.make_graph(g.nodes, f"{c.name}_step{'_tiered' if tiered else ''}", ins, outs,
                               initializer=g.initializers)
     functions = warm_functions(options.warm_codec, (kvh, p, d) if warm else None) + [kv_append_function()]
@@ -348,6 +276,22 @@ def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
     return helper.make_model(graph, functions=functions,
                              opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
                              producer_name="tieredkv.builder", doc_string=__doc__.split("\n\n")[0])
+
+
+_ONNX_TYPES = {torch.float32: _F32, torch.int64: _I64, torch.bool: _BOOL, torch.uint8: TensorProto.UINT8}
+
+
+def _value_infos(tensors, num_layers: int, known: dict[str, int], *, tiered_kv: bool, warm: bool) -> list:
+    """The graph's inputs or outputs as declared by ``StepFeeds`` / ``StepOutputs``: known
+    dimensions by value, the others symbolic (``C{l}``: per layer)."""
+    specs = dict(tensors.specs(tiered_kv=tiered_kv, warm=warm))
+    infos = []
+    for name in tensors.names(num_layers, tiered_kv=tiered_kv, warm=warm):
+        base, layer = (name, None) if name in specs else tuple(name.rsplit("_", 1))
+        meta = specs[base]
+        dims = [known.get(dim, dim.format(l=layer)) for dim in meta["dims"]]
+        infos.append(helper.make_tensor_value_info(name, _ONNX_TYPES[meta["dtype"]], dims))
+    return infos
 
 
 def initializer_bytes(model: onnx.ModelProto) -> int:
@@ -373,43 +317,43 @@ def save_step_graph(model: onnx.ModelProto, path: str | Path, *, external_data: 
 
 
 class PoolStep:
-    """One step over explicit inputs, as the graph sees them, for the reference model.
+    """One step over explicit inputs (``StepFeeds``), as the graph sees them, for the reference model.
 
     ``Llama.forward`` drives it through the KV-cache step protocol (``begin_step``, ``attend``
-    per layer, ``end_step``): ``attend`` writes the new tokens' K/V with :func:`kv_append`,
-    scores and selects pages with ``importance_score`` and ``select_pages`` (tiered), and attends with :func:`tiered_attention` over the updated pools. Afterwards
-    ``outputs`` holds every graph output but the logits (torch tensors)."""
+    per layer, ``end_step``): ``attend`` writes the new tokens' K/V with ``kv_append``, scores
+    and selects pages with ``importance_score`` and ``select_pages`` (tiered), and attends with
+    ``tiered_attention`` over the updated pools. Afterwards ``outputs`` holds the graph's
+    outputs but the logits."""
 
-    def __init__(self, t: dict[str, torch.Tensor], *, num_layers: int, tiered_kv: bool,
+    def __init__(self, feeds: StepFeeds, *, num_layers: int, tiered_kv: bool,
                  selection_weights: tuple[float, float, float], warm_codec: str | None = None) -> None:
-        self.t, self.tiered, self.weights, self.warm_codec = t, tiered_kv, selection_weights, warm_codec
-        p = t["k_pool_0"].shape[2]
-        self.valid = t["page_index"] * p < t["seq_len"].unsqueeze(1)
-        self.pages = p
-        self.news: dict[str, list] = {k: [None] * num_layers for k in ("k_new", "v_new", *_TIERED_OUTPUTS)}
+        self.feeds, self.tiered, self.weights, self.warm_codec = feeds, tiered_kv, selection_weights, warm_codec
+        self.page_size = feeds.k_pool[0].shape[2]
+        self.valid = feeds.page_index * self.page_size < feeds.seq_len.unsqueeze(1)
+        self.news: dict[str, list] = {k: [None] * num_layers for k in
+                                      ("k_new", "v_new", "page_selected", "page_relevance", "page_mass")}
 
     def begin_step(self, seq_ids, num_new: int) -> Step:
-        return Step(tuple(seq_ids), num_new, tuple(int(n) - num_new for n in self.t["seq_len"]))
+        return Step(tuple(seq_ids), num_new, tuple(int(n) - num_new for n in self.feeds.seq_len))
 
     def _selected(self, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        t = self.t
-        cand = self.valid & ~t["page_pinned"]
-        last_tok = t["page_index"] * self.pages + t["page_tokens"] - 1
-        distance = (t["seq_len"] - 1).unsqueeze(1) - last_tok
-        args = (q[:, :, -1], t["key_min"][layer], t["key_max"][layer], t["page_tokens"], distance,
-                t["page_saliency"][layer], cand, t["position_table"][layer])
+        f = self.feeds
+        cand = self.valid & ~f.page_pinned
+        last_tok = f.page_index * self.page_size + f.page_tokens - 1
+        distance = (f.seq_len - 1).unsqueeze(1) - last_tok
+        args = (q[:, :, -1], f.key_min[layer], f.key_max[layer], f.page_tokens, distance, f.page_saliency[layer], cand,
+                f.position_table[layer])
         rel = importance_score(*args, RELEVANCE_ONLY)
         score = importance_score(*args, self.weights) if self.weights != RELEVANCE_ONLY else rel
-        return select_pages(score, self.valid, t["page_pinned"], t["attend_pages"]), rel
+        return select_pages(score, self.valid, f.page_pinned, f.attend_pages), rel
 
     def attend(self, step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        t = self.t
+        f = self.feeds
         self.news["k_new"][layer], self.news["v_new"][layer] = k, v
-        slots = t["write_slot"][layer].reshape(-1)
-        kp, vp = kv_append(t[f"k_pool_{layer}"], t[f"v_pool_{layer}"], k.transpose(1, 2).reshape(-1, *k.shape[1:2],
-                           k.shape[-1]), v.transpose(1, 2).reshape(-1, *v.shape[1:2], v.shape[-1]), slots,
-                           t["write_offset"].reshape(-1))
-        in_pool = t["page_mask"][layer]
+        rows = lambda x: x.transpose(1, 2).reshape(-1, *x.shape[1:2], x.shape[-1])  # noqa: E731  [B*T, KVH, D]
+        kp, vp = kv_append(f.k_pool[layer], f.v_pool[layer], rows(k), rows(v), f.write_slot[layer].reshape(-1),
+                           f.write_offset.reshape(-1))
+        in_pool = f.page_mask[layer]
         if self.tiered:
             selected, rel = self._selected(layer, q)
             attended = selected & in_pool
@@ -418,9 +362,9 @@ class PoolStep:
             attended = in_pool & self.valid
         warm = {}
         if self.warm_codec is not None:
-            warm = dict(warm_pool=t[f"warm_pool_{layer}"], warm_row=t["page_warm_row"][layer], warm_codec=self.warm_codec)
-        out, _, probs = tiered_attention(q, kp, vp, t["page_table"][layer], attended, t["page_index"], t["seq_len"],
-                                         t["seq_len"] - step.num_new, with_lse=False, **warm)
+            warm = dict(warm_pool=f.warm_pool[layer], warm_row=f.page_warm_row[layer], warm_codec=self.warm_codec)
+        out, _, probs = tiered_attention(q, kp, vp, f.page_table[layer], attended, f.page_index, f.seq_len,
+                                         f.seq_len - step.num_new, with_lse=False, **warm)
         if self.tiered:
             self.news["page_mass"][layer] = probs.mean(1).sum(1)
         return out
@@ -438,10 +382,10 @@ def reference_step(model: Llama, feeds: dict[str, np.ndarray], *, tiered_kv: boo
                    selection_weights: tuple[float, float, float] = RELEVANCE_ONLY,
                    warm_codec: str | None = None) -> dict[str, np.ndarray]:
     """The graph's outputs computed by the PyTorch model for the graph's inputs ``feeds``."""
-    t = {k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items()}
-    step = PoolStep(t, num_layers=model.config.num_layers, tiered_kv=tiered_kv,
+    f = StepFeeds.from_dict({k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items()})
+    step = PoolStep(f, num_layers=model.config.num_layers, tiered_kv=tiered_kv,
                     selection_weights=tuple(float(x) for x in selection_weights), warm_codec=warm_codec)
-    logits = model(t["input_ids"], t["positions"], step, list(range(t["input_ids"].shape[0])))
+    logits = model(f.input_ids, f.positions, step, list(range(f.input_ids.shape[0])))
     return {"logits": logits.float().numpy(), **{k: v.numpy() for k, v in step.outputs.items()}}
 
 

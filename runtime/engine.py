@@ -3,13 +3,13 @@ the tiered KV runtime, in place of the PyTorch model.
 
 A backend looks like the reference model to everything above it — ``config``,
 ``kv_spec()`` and ``backend(tokens, positions, cache, seq_ids, last_only=...)`` — so
-generation, the batch API and the eval commands take either. Per step the cache
-(:class:`~tieredkv.runtime.tiered.cache.TieredKVCache`) provides the graph's inputs
-(``engine_feeds``: page tables, residency masks, device pools, key summaries, scorer
-parameters), the engine computes logits, the new K/V, page selection, relevance and
-attention mass, and the cache finishes the step (``engine_finish``: writes the K/V, records
-the access, lets the TierManager migrate and admit) — the same decisions the torch
-backend takes inside its forward pass.
+generation, the batch API and the eval commands take either. Per step the tiered cache
+(:class:`~tieredkv.runtime.tiered.cache.TieredKVCache`) opens the step, ``engine_io`` turns it
+into the graph's inputs (``step_feeds``: page tables, residency masks, device pools, key
+summaries, scorer parameters), the engine computes logits, the new K/V, page selection,
+relevance and attention mass, and ``engine_io.finish_step`` hands them back to the cache
+(writes the K/V, records the access, lets the TierManager migrate and admit) — the same
+decisions the torch backend takes inside its forward pass.
 
 * :class:`OnnxRuntimeBackend` — ONNX Runtime with IOBinding; CPU here, the CUDA execution
   provider where onnxruntime-gpu and a GPU are present.
@@ -128,18 +128,18 @@ class _Backend(abc.ABC):
         if cfg.page_size != eng.page_size:
             raise ConfigError(f"page_size {cfg.page_size} of the KV config does not match the engine's "
                               f"{eng.page_size} ({eng.path}); set page_size = {eng.page_size} or rebuild the engine")
-        if cfg.selection_aggregate != "share":
-            raise ConfigError(f"selection_aggregate {cfg.selection_aggregate!r} runs in the PyTorch backend only: the "
+        if cfg.selection.aggregate != "share":
+            raise ConfigError(f"selection_aggregate {cfg.selection.aggregate!r} runs in the PyTorch backend only: the "
                               f"engine's ImportanceScore nodes ({eng.path}) rank pages by their largest share over "
                               "the heads; use selection_aggregate = 'share' with an engine")
-        if eng.tiered_kv and tuple(cache.selection_weights) != eng.selection_weights:
-            raise ConfigError(f"selection_weights {tuple(cache.selection_weights)} do not match the engine's "
+        if eng.tiered_kv and cfg.selection.weights != eng.selection_weights:
+            raise ConfigError(f"selection_weights {cfg.selection.weights} do not match the engine's "
                               f"{eng.selection_weights} (baked into its ImportanceScore nodes); rebuild with "
                               "--selection-weights or change the KV config")
-        if eng.warm_codec is not None and cfg.warm_codec not in (None, eng.warm_codec):
-            raise ConfigError(f"warm_codec {cfg.warm_codec!r} of the KV config does not match the engine's "
+        if eng.warm_codec is not None and cfg.warm.codec not in (None, eng.warm_codec):
+            raise ConfigError(f"warm_codec {cfg.warm.codec!r} of the KV config does not match the engine's "
                               f"{eng.warm_codec!r} ({eng.path}: its attention reads that codec's bytes); set "
-                              f"warm_codec = {eng.warm_codec!r} or rebuild with --warm-codec {cfg.warm_codec}")
+                              f"warm_codec = {eng.warm_codec!r} or rebuild with --warm-codec {cfg.warm.codec}")
         if not eng.tiered_kv and (cache.budgets.device_pages is not None or cache.budgets.attention_pages is not None):
             raise ConfigError(f"{eng.path} was built without --tiered-kv (plain paged attention): it cannot select "
                               "pages, so it runs only without device or attention budgets")
@@ -149,17 +149,18 @@ class _Backend(abc.ABC):
                  seq_ids: list[int] | tuple[int, ...], *, last_only: bool = False) -> torch.Tensor:
         """tokens, positions: [B, T] int64 (one row per sequence in ``seq_ids``). Returns logits
         [B, T, vocab] (float32), or [B, 1, vocab] with ``last_only`` — as ``Llama.forward``."""
+        from tieredkv.runtime.tiered.engine_io import StepOutputs, finish_step, step_feeds
+
         self.check_cache(cache)
         step = cache.begin_step(seq_ids, tokens.shape[1])
-        feeds = cache.engine_feeds(step, tiered_graph=self.engine.tiered_kv, warm_codec=self.engine.warm_codec)
-        feeds.update(input_ids=tokens.long(), positions=positions.long())
-        t0 = time.perf_counter()
-        outputs = self.run(feeds)
-        self.run_seconds += time.perf_counter() - t0
+        feeds = step_feeds(cache, tiered_graph=self.engine.tiered_kv, warm_codec=self.engine.warm_codec)
+        feeds.input_ids, feeds.positions = tokens.long(), positions.long()
+        t_start = time.perf_counter()
+        outputs = StepOutputs.from_dict(self.run(feeds.as_dict()))
+        self.run_seconds += time.perf_counter() - t_start
         self.steps += 1
-        cache.engine_finish(step, feeds, outputs)
-        logits = outputs["logits"]
-        return logits[:, -1:] if last_only else logits
+        finish_step(cache, step, feeds, outputs)
+        return outputs.logits[:, -1:] if last_only else outputs.logits
 
     forward = __call__
 

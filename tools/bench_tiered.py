@@ -16,9 +16,9 @@ claims +14%). With r = 1 a step needs about as many pages as fit, so the victim 
 hardly matters; with r < 1 the device holds more than a step attends, which is where a
 replacement policy can earn its keep.
 
-overhead: CPU time of (a) the importance scorer (one evaluation: every page of one layer
-for one decode step; the design note's target is < 0.1 ms) and the top-k selection after
-it, (b) the tier manager's per-step work for all layers: ``end_step`` (statistics,
+overhead: CPU time of (a) the importance scorer (ImportanceScore: every page of one layer
+for one decode step; the design note's target is < 0.1 ms) and the selection after it
+(SelectPages), (b) the tier manager's per-step work for all layers: ``end_step`` (statistics,
 migration windows, demand admission with eviction) alone and with ``begin_step`` (new
 records and slots, T0), at a preset's shape with a long context. Model compute is excluded: the cache is driven with synthetic scores and a
 synthetic access pattern (recency-heavy with recurring pages), and pages carry one value
@@ -37,8 +37,10 @@ from pathlib import Path
 
 import torch
 
+from tieredkv.plugins.importance_score import importance_score
+from tieredkv.plugins.select_pages import select_pages
 from tieredkv.runtime.tiered.config import TieredKVConfig, resolve_budgets
-from tieredkv.runtime.tiered.manager import StepAccess, TierManager
+from tieredkv.runtime.tiered.manager import TierManager
 from tieredkv.runtime.tiered.policies import POLICIES, make_policy
 
 
@@ -132,31 +134,31 @@ def cmd_overhead(args: argparse.Namespace) -> int:
     budgets = resolve_budgets(cfg, num_layers=L, token_bytes_per_layer=2 * KVH * D * 2, full_tokens=args.context)
     A = budgets.attention_pages
 
-    # (a) scorer + selection for one layer and step, real shapes
+    # (a) ImportanceScore + SelectPages (the op references the runtime calls) for one layer and step, real shapes
     scorer = ImportanceScorer(L, D)
     q = torch.randn(1, H, D)
     kmin = torch.randn(1, n_pages, KVH, D)
     kmax = kmin + torch.rand(1, n_pages, KVH, D)
     tokens = torch.full((1, n_pages), P)
     dist = (args.context - (torch.arange(n_pages) * P + P - 1)).unsqueeze(0)
-    sal = torch.rand(n_pages)
-    cand = torch.ones(1, n_pages, dtype=torch.bool)
-    cand[0, 0] = False
-    cand[0, -5:] = False
+    sal = torch.rand(1, n_pages)
+    pinned = torch.zeros(1, n_pages, dtype=torch.bool)
+    pinned[0, 0] = True
+    pinned[0, -5:] = True
+    valid, attend = torch.ones_like(pinned), torch.tensor([A])
     score_times, select_times = [], []
     for _ in range(args.steps):
-        t0 = time.perf_counter()
-        rel = scorer.relevance(3, q, kmin, kmax, tokens, cand)
-        score = scorer.mix(rel[0], scorer.positions(dist[0])[3], sal)
-        t1 = time.perf_counter()
-        torch.topk(score.masked_fill(~cand[0], float("-inf")), A - 6)
-        score_times.append(t1 - t0)
-        select_times.append(time.perf_counter() - t1)
+        t_start = time.perf_counter()
+        score = importance_score(q, kmin, kmax, tokens, dist, sal, ~pinned, scorer.position[3], cfg.migration.score_weights)
+        t_scored = time.perf_counter()
+        select_pages(score, valid, pinned, attend)
+        score_times.append(t_scored - t_start)
+        select_times.append(time.perf_counter() - t_scored)
     score_ms, select_ms = 1000 * statistics.median(score_times), 1000 * statistics.median(select_times)
     scorer_ms = score_ms + select_ms
 
     # (b) the manager: a sequence of n_pages pages, resident at the budget, decode steps
-    policy = make_policy(cfg.policy)
+    policy = make_policy(cfg.migration.policy)
     mgr = TierManager(num_layers=L, kv_heads=1, head_dim=1, dtype=torch.float32, config=cfg, budgets=budgets,
                       policy=policy)
     mgr.add_sequence(0)
@@ -165,41 +167,33 @@ def cmd_overhead(args: argparse.Namespace) -> int:
     while done < args.context - 1:  # fill the cache (prefill in budget-sized chunks)
         n = min(chunk, args.context - 1 - done)
         mgr.begin_step((0,), n)
-        R = mgr.R
-        z = torch.zeros(L, R, dtype=torch.bool)
-        mgr.end_step(StepAccess(z, z.clone(), z.clone(), torch.zeros(L, R), torch.rand(L, R), z.clone()),
-                     decode=False)
+        mgr.end_step(decode=False)
         done += n
     gen = torch.Generator().manual_seed(1)
     hot = torch.randint(1, n_pages - 8, (L, A // 2), generator=gen)  # recurring pages
+    everything, rows = slice(None), torch.arange(L).unsqueeze(1)
     step_times, begin_times = [], []
     for s in range(args.steps):
         t_begin = time.perf_counter()
-        mgr.begin_step((0,), 1)
+        (seq,) = mgr.begin_step((0,), 1).seqs
         begin_times.append(time.perf_counter() - t_begin)
-        R = mgr.R
-        recs = mgr.records_of(0)
-        m = len(recs)
-        needed = torch.zeros(L, R, dtype=torch.bool)
-        recent = torch.arange(max(1, m - 6 - A // 2), m - 5)  # the pages just behind the recent window
-        needed[:, recs[recent]] = True
-        rnd = torch.randint(1, m - 6, (L, A // 4), generator=gen)
-        rows = torch.arange(L).unsqueeze(1)
-        needed[rows, recs[hot.clamp(max=m - 7)]] = True
-        needed[rows, recs[rnd]] = True
-        needed[:, recs[mgr.rec_t0[recs]]] = False
-        resident = mgr.dev_slot >= 0
-        access = StepAccess(needed, needed & ~resident, needed & ~resident, torch.rand(L, R) * needed,
-                            torch.rand(L, R), torch.ones(L, R, dtype=torch.bool))
-        t0 = time.perf_counter()
-        mgr.end_step(access, decode=True)
-        step_times.append(time.perf_counter() - t0)
+        m = len(seq.recs)
+        needed = torch.zeros(L, m, dtype=torch.bool)
+        needed[:, max(1, m - 6 - A // 2): m - 5] = True  # the pages just behind the recent window
+        needed[rows, hot.clamp(max=m - 7)] = True
+        needed[rows, torch.randint(1, m - 6, (L, A // 4), generator=gen)] = True
+        selected = needed | seq.t0
+        mgr.record_access(everything, seq, decode=True, selected=selected, attended=selected,
+                          importance=torch.rand(L, m), mass=torch.rand(L, m) * needed)
+        t_start = time.perf_counter()
+        mgr.end_step(decode=True)
+        step_times.append(time.perf_counter() - t_start)
     manager_ms = 1000 * statistics.median(step_times[5:] or step_times)
     totals = [b + e for b, e in zip(begin_times, step_times)]
     total_ms = 1000 * statistics.median(totals[5:] or totals)
     res = {"preset": args.preset, "context": args.context, "pages_per_layer": n_pages, "layers": L,
-           "device_budget": cfg.device_budget, "resident_pages_per_layer": budgets.resident_pages,
-           "attention_pages": A, "policy": cfg.policy, "threads": torch.get_num_threads(),
+           "device_budget": cfg.budgets.device, "resident_pages_per_layer": budgets.resident_pages,
+           "attention_pages": A, "policy": cfg.migration.policy, "threads": torch.get_num_threads(),
            "scorer_ms_per_layer_step": round(score_ms, 4), "selection_ms_per_layer_step": round(select_ms, 4),
            "scorer_plus_selection_ms_per_layer_step": round(scorer_ms, 4),
            "manager_begin_plus_end_ms_per_decode_step": round(total_ms, 3),

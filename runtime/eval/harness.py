@@ -157,25 +157,28 @@ class CacheMethod(EvalMethod):
         return {"method": self.name, **self.info}
 
 
-def tiered_method(model: Llama, config, *, name: str | None = None, prefill_chunk: int = 512) -> CacheMethod:
+def tiered_method(model: Llama, config, *, name: str | None = None, prefill_chunk: int = 512,
+                  keep_decoded_warm: bool = False) -> CacheMethod:
     """tieredkv's tiered cache as an evaluated method. Percentage budgets resolve against
     each session's total tokens; continuations are fed one token per step (the tiered
-    cache selects and evicts per decode step)."""
+    cache selects and evicts per decode step). ``keep_decoded_warm``: the CPU evaluation aid
+    of the warm pool (each warm page decoded once; identical numerics)."""
     from tieredkv.runtime.tiered.cache import TieredKVCache
 
     from tieredkv.runtime.tiered.config import KV_DTYPES
 
     spec = model.kv_spec()
-    label = name or f"tieredkv-{config.policy}-{config.mode}"
+    label = name or f"tieredkv-{config.migration.policy}-{config.selection.mode}"
     stored = dataclasses.replace(spec, dtype=KV_DTYPES[config.kv_dtype]) if config.kv_dtype else spec
-    info = {"budget": str(config.device_budget or "100%"), "policy": config.policy, "mode": config.mode,
-            "attention_budget": str(config.attention_budget or "device"),
+    info = {"budget": str(config.budgets.device or "100%"), "policy": config.migration.policy,
+            "mode": config.selection.mode, "attention_budget": str(config.budgets.attention or "device"),
             "kv_bytes_per_token": stored.token_bytes_per_layer * stored.num_layers}
-    if config.warm_codec:
-        info.update(warm_codec=config.warm_codec, warm_fraction=config.warm_fraction)
+    if config.warm.codec:
+        info.update(warm_codec=config.warm.codec, warm_fraction=config.warm.fraction)
     if config.kv_dtype:
         info["kv_dtype"] = config.kv_dtype
-    if config.selection_aggregate != "share":
-        info["selection_aggregate"] = config.selection_aggregate
-    return CacheMethod(model, lambda total: TieredKVCache(spec, config, full_tokens=total), name=label,
+    if config.selection.aggregate != "share":
+        info["selection_aggregate"] = config.selection.aggregate
+    return CacheMethod(model, lambda total: TieredKVCache(spec, config, full_tokens=total,
+                                                          keep_decoded_warm=keep_decoded_warm), name=label,
                        prefill_chunk=prefill_chunk, teacher_forcing_chunk=1, info=info)

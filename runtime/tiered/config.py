@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 
@@ -89,147 +89,294 @@ SELECTION_AGGREGATES = ("share", "head-rank")
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-@dataclass(frozen=True)
-class TieredKVConfig:
-    """Everything the tiered cache needs; see the module docstring for budgets.
+# ------------------------------------------------------------------ the per-field table
+# Every setting is declared once, as a field of its section with ``setting(default, check,
+# flat=...)``: ``check`` validates (and normalizes) the value, ``flat`` is the setting's name
+# outside its section (keyword arguments, CLI flags, top-level keys of a file), unique across
+# all sections.
 
-    T0 (never evicted, always attended) = the first ``sink_tokens`` and the last
-    ``recent_tokens`` of each sequence plus the page being written.
 
-    ``score_weights`` mix (relevance, position, saliency) into the *importance* that
-    replacement and migration use (the design note's 0.4 / 0.3 / 0.3);
-    ``selection_weights`` mix the same signals into the ranking that picks the pages a
-    decode step attends to. Default: relevance alone — the measured best for selection
-    (docs/benchmarks.md: the position and saliency terms predict *future* attention, and
-    cost perplexity when they steer the current step). ``selection_aggregate`` combines a
-    layer's query heads in that ranking: ``"share"`` (default) takes each page's largest
-    estimated attention share over the heads; ``"head-rank"`` its best per-head rank, so
-    every head gets its top pages in (Quest's per-head selection on pages the heads share;
-    PyTorch backend only, docs/benchmarks.md §2). ``staging_pages``
-    of the device budget are a transit area through which non-resident pages are
-    streamed (exact-mode misses, chunked prefill); they are never owned by a page.
+def setting(default: Any, check: Callable[[Any], Any], *, flat: str | None = None) -> Any:
+    return field(default=default, metadata={"check": check, "flat": flat})
 
-    Warm sub-tier of T2 (issue #4): with ``warm_codec`` set (a name of
-    ``tieredkv.plugins.codec.CODECS``, or ``"default"`` for ``codec.DEFAULT_CODEC``, int4)
-    and a device budget, ``warm_fraction`` of the resident bytes beyond T0's reservation
-    hold pages encoded with the codec; cold pages (the replacement policy's victims, and
-    pages demoted at window boundaries) are
-    compressed into it instead of leaving the device (default share 0.75: the measured
-    end-to-end setting, docs/benchmarks.md §3). ``kv_dtype`` stores pages in another
-    dtype than the model computes in (``float16`` is the deployment dtype; budgets count
-    the stored bytes).
-    """
 
-    page_size: int = 16
-    sink_tokens: int = 4
-    recent_tokens: int = 64
-    device_budget: str | int | None = None
-    host_budget: str | int | None = None
-    disk_path: str | None = None
-    attention_budget: str | int | None = None
-    hot_key_fraction: float = 0.25
-    staging_pages: int = 4
-    policy: str = "lfu-importance"
-    mode: str = "exact"
-    score_weights: tuple[float, float, float] = (0.4, 0.3, 0.3)
-    selection_weights: tuple[float, float, float] = (1.0, 0.0, 0.0)
-    selection_aggregate: str = "share"
-    lfu_importance_weights: tuple[float, float] = (0.6, 0.4)
-    promote_accesses: int = 2
-    promote_score: float = 0.7
-    demote_idle_windows: int = 3
-    demote_score: float = 0.3
-    window_steps: int = 16
-    scorer_weights: str | None = None
-    warm_codec: str | None = None
-    warm_fraction: float = 0.75
-    kv_dtype: str | None = None
+def _integer(low: int) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise ValueError(f"must be an integer >= {low}, got {v!r}")
+        return v
+    return check
+
+
+def _number(low: float, high: float, *, open_low: bool = False) -> Callable[[Any], float]:
+    def check(v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"must be a number, got {v!r}")
+        if not (low < v if open_low else low <= v) or v > high:
+            raise ValueError(f"must be in {'(' if open_low else '['}{low:g}, {high:g}], got {v!r}")
+        return v
+    return check
+
+
+def _weights(n: int, *, unit_sum: bool) -> Callable[[Any], tuple[float, ...]]:
+    what = (f"{n} non-negative numbers summing to 1 (relevance, position, saliency)" if unit_sum
+            else f"{n} non-negative numbers")
+
+    def check(v: Any) -> tuple[float, ...]:
+        try:
+            w = tuple(float(x) for x in v)
+        except (TypeError, ValueError):
+            raise ValueError(f"must be a list of {what}, got {v!r}") from None
+        if len(w) != n or any(isinstance(x, bool) for x in v) or any(x < 0 for x in w) or \
+                (unit_sum and not math.isclose(sum(w), 1.0, abs_tol=1e-6)):
+            raise ValueError(f"must be a list of {what}, got {v!r}")
+        return w
+    return check
+
+
+def _choice(options: Callable[[], Any], *, optional: bool = False,
+            aliases: Callable[[], Mapping[str, str]] = dict) -> Callable[[Any], str | None]:
+    """One of ``options()`` (read when checked: the policy and codec registries import late)."""
+    def check(v: Any) -> str | None:
+        if v is None and optional:
+            return None
+        if not isinstance(v, str):
+            raise ValueError(f"must be a string, got {v!r}")
+        v = aliases().get(v, v)
+        if v not in options():
+            raise ValueError(f"unknown value {v!r}; expected one of {sorted(options())}")
+        return v
+    return check
+
+
+def _optional_path(v: Any) -> str | None:
+    if v is not None and not isinstance(v, (str, Path)):
+        raise ValueError(f"must be a string or unset, got {v!r}")
+    return None if v is None else str(v)
+
+
+def _budget(v: Any) -> Any:
+    try:
+        Budget.parse(v, "budget")
+    except ConfigError as exc:
+        raise ValueError(str(exc).removeprefix("budget: ")) from None
+    return v
+
+
+def _policies() -> Mapping[str, Any]:
+    from tieredkv.runtime.tiered.policies import POLICIES
+
+    return POLICIES
+
+
+def _codecs() -> Mapping[str, Any]:
+    from tieredkv.plugins.codec import CODECS
+
+    return CODECS
+
+
+def _codec_aliases() -> Mapping[str, str]:
+    from tieredkv.plugins.codec import DEFAULT_CODEC
+
+    return {"default": DEFAULT_CODEC}
+
+
+class _Settings:
+    """A frozen section of settings validated from its fields' ``setting`` metadata."""
+
+    #: the section's table in a config file (``[tiered_kv.<table>]``)
+    table: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
-        for name in ("policy", "mode", "selection_aggregate"):
-            if not isinstance(getattr(self, name), str):
-                raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
-        for name in ("disk_path", "scorer_weights", "warm_codec", "kv_dtype"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), (str, Path)):
-                raise ConfigError(f"{name} must be a string or unset, got {getattr(self, name)!r}")
-        for name, n in (("score_weights", 3), ("selection_weights", 3), ("lfu_importance_weights", 2)):
-            v = getattr(self, name)
+        for f in fields(self):
+            check = f.metadata.get("check")
+            if check is None:
+                continue
             try:
-                w = tuple(float(x) for x in v)
-            except (TypeError, ValueError):
-                raise ConfigError(f"{name} must be a list of {n} numbers, got {v!r}") from None
-            if len(w) != n or any(isinstance(x, bool) for x in v):
-                raise ConfigError(f"{name} must be a list of {n} numbers, got {v!r}")
-            object.__setattr__(self, name, w)
-        for name in ("promote_score", "demote_score", "hot_key_fraction", "warm_fraction"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ConfigError(f"{name} must be a number, got {v!r}")
-        for name in ("page_size", "staging_pages", "window_steps", "promote_accesses", "demote_idle_windows"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
-        for name in ("sink_tokens", "recent_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
-        if self.mode not in MODES:
-            raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.selection_aggregate not in SELECTION_AGGREGATES:
-            raise ConfigError(f"selection_aggregate must be one of {SELECTION_AGGREGATES}, got "
-                              f"{self.selection_aggregate!r}")
-        from tieredkv.runtime.tiered.policies import POLICIES
+                object.__setattr__(self, f.name, check(getattr(self, f.name)))
+            except (ValueError, ConfigError) as exc:
+                raise ConfigError(f"{_label(self, f)}: {exc}") from None
+        self._check()
 
-        if self.policy not in POLICIES:
-            raise ConfigError(f"unknown policy {self.policy!r}; expected one of {sorted(POLICIES)}")
-        for name in ("score_weights", "selection_weights"):
-            w = getattr(self, name)
-            if any(x < 0 for x in w) or not math.isclose(sum(w), 1.0, abs_tol=1e-6):
-                raise ConfigError(f"{name} must be 3 non-negative numbers summing to 1 (relevance, position, "
-                                  f"saliency), got {w}")
-        if any(w < 0 for w in self.lfu_importance_weights):
-            raise ConfigError(f"lfu_importance_weights must be 2 non-negative numbers, got {self.lfu_importance_weights}")
-        for name in ("promote_score", "demote_score", "hot_key_fraction"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
-                raise ConfigError(f"{name} must be in [0, 1], got {v!r}")
+    def _check(self) -> None:
+        """Checks across the section's fields."""
+
+
+def _label(section: _Settings, f) -> str:
+    """How errors name a field: its flat name, and where it sits in a file."""
+    where = f"{section.table}.{f.name}" if section.table else f.name
+    flat = f.metadata.get("flat") or f.name
+    return flat if flat == where else f"{flat} ({where})"
+
+
+@dataclass(frozen=True)
+class WindowConfig(_Settings):
+    """T0, never evicted and always attended: the first ``sink_tokens`` and the last
+    ``recent_tokens`` of each sequence, plus the page being written."""
+
+    table: ClassVar[str] = "window"
+    sink_tokens: int = setting(4, _integer(0))
+    recent_tokens: int = setting(64, _integer(0))
+
+
+@dataclass(frozen=True)
+class BudgetConfig(_Settings):
+    """Budgets (the module docstring): ``device`` (resident on the device: T0 + T1 + T2 + the
+    staging area), ``host`` (T3; past it pages spill to ``disk_path``, T4), ``attention`` (pages
+    one decode step attends to, T0 included). ``staging_pages`` of the device budget are the
+    transit area through which non-resident pages are streamed (exact-mode misses, chunked
+    prefill); ``hot_key_fraction`` of the resident pages may be labelled T1."""
+
+    table: ClassVar[str] = "budgets"
+    device: str | int | None = setting(None, _budget, flat="device_budget")
+    host: str | int | None = setting(None, _budget, flat="host_budget")
+    attention: str | int | None = setting(None, _budget, flat="attention_budget")
+    staging_pages: int = setting(4, _integer(1))
+    hot_key_fraction: float = setting(0.25, _number(0.0, 1.0))
+    disk_path: str | None = setting(None, _optional_path)
+
+
+@dataclass(frozen=True)
+class MigrationConfig(_Settings):
+    """Replacement and migration: the replacement ``policy`` (``lfu-importance``: victim =
+    argmin(w_freq * frequency + w_imp * importance), ``lfu_importance_weights``); the
+    *importance* it and the thresholds read mixes (relevance, position, saliency) with
+    ``score_weights`` (the design note's 0.4 / 0.3 / 0.3); every ``window_steps`` decode steps
+    pages accessed >= ``promote_accesses`` times scoring > ``promote_score`` are promoted, pages
+    idle ``demote_idle_windows`` windows or scoring < ``demote_score`` demoted."""
+
+    table: ClassVar[str] = "migration"
+    policy: str = setting("lfu-importance", _choice(_policies))
+    lfu_importance_weights: tuple[float, float] = setting((0.6, 0.4), _weights(2, unit_sum=False))
+    score_weights: tuple[float, float, float] = setting((0.4, 0.3, 0.3), _weights(3, unit_sum=True))
+    window_steps: int = setting(16, _integer(1))
+    promote_accesses: int = setting(2, _integer(1))
+    promote_score: float = setting(0.7, _number(0.0, 1.0))
+    demote_idle_windows: int = setting(3, _integer(1))
+    demote_score: float = setting(0.3, _number(0.0, 1.0))
+
+    def _check(self) -> None:
         if self.demote_score > self.promote_score:
             raise ConfigError(f"demote_score ({self.demote_score}) must not exceed promote_score ({self.promote_score})")
-        for name in ("device_budget", "host_budget", "attention_budget"):
-            Budget.parse(getattr(self, name), name)  # validates
-        if self.warm_codec is not None:
-            from tieredkv.plugins.codec import CODECS, DEFAULT_CODEC
 
-            if self.warm_codec == "default":
-                object.__setattr__(self, "warm_codec", DEFAULT_CODEC)
-            if self.warm_codec not in CODECS:
-                raise ConfigError(f"unknown warm_codec {self.warm_codec!r}; expected one of {sorted(CODECS)} "
-                                  "or 'default'")
-        if not isinstance(self.warm_fraction, (int, float)) or not 0.0 < self.warm_fraction <= 1.0:
-            raise ConfigError(f"warm_fraction must be in (0, 1], got {self.warm_fraction!r}")
-        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
-            raise ConfigError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
+
+@dataclass(frozen=True)
+class SelectionConfig(_Settings):
+    """What a decode step attends to: T0 plus the top pages by a ranking that mixes the same
+    signals with ``weights`` (default: relevance alone — the measured best for selection,
+    docs/benchmarks.md: the position and saliency terms predict *future* attention, and cost
+    perplexity when they steer the current step). ``aggregate`` combines a layer's query heads
+    in that ranking: ``share`` (each page's largest estimated attention share over the heads)
+    or ``head-rank`` (its best per-head rank, so every head gets its top pages in; PyTorch
+    backend only). A selected page that is not resident: ``mode = "exact"`` streams it in
+    before use, ``"masked"`` skips it and counts the miss."""
+
+    table: ClassVar[str] = "selection"
+    mode: str = setting("exact", _choice(lambda: MODES))
+    weights: tuple[float, float, float] = setting((1.0, 0.0, 0.0), _weights(3, unit_sum=True),
+                                                  flat="selection_weights")
+    aggregate: str = setting("share", _choice(lambda: SELECTION_AGGREGATES), flat="selection_aggregate")
+
+
+@dataclass(frozen=True)
+class WarmConfig(_Settings):
+    """The warm sub-tier of T2: with a ``codec`` (a name of ``tieredkv.plugins.codec.CODECS``, or
+    ``"default"`` for ``codec.DEFAULT_CODEC``, int4) and a device budget, ``fraction`` of the
+    resident bytes beyond T0's reservation hold pages encoded with the codec; cold pages (the
+    replacement policy's victims, pages demoted at window boundaries) are compressed into it
+    instead of leaving the device (default share 0.75: the measured end-to-end setting,
+    docs/benchmarks.md §3)."""
+
+    table: ClassVar[str] = "warm"
+    codec: str | None = setting(None, _choice(_codecs, optional=True, aliases=_codec_aliases), flat="warm_codec")
+    fraction: float = setting(0.75, _number(0.0, 1.0, open_low=True), flat="warm_fraction")
+
+
+_SECTIONS: dict[str, type[_Settings]] = {"window": WindowConfig, "budgets": BudgetConfig,
+                                         "migration": MigrationConfig, "selection": SelectionConfig,
+                                         "warm": WarmConfig}
+#: flat setting name -> (section, field)
+FLAT_SETTINGS: dict[str, tuple[str, str]] = {(f.metadata.get("flat") or f.name): (name, f.name)
+                                              for name, cls in _SECTIONS.items() for f in fields(cls)}
+
+
+@dataclass(frozen=True, init=False)
+class TieredKVConfig(_Settings):
+    """Everything the tiered cache needs, in sections that match the tables of a config file
+    (``[tiered_kv]``, ``[tiered_kv.window]``, ``[tiered_kv.budgets]``, ``[tiered_kv.migration]``,
+    ``[tiered_kv.selection]``, ``[tiered_kv.warm]``); see the module docstring for budgets.
+
+    Construct it with sections, with flat setting names, or both (flat names override the
+    sections they belong to)::
+
+        TieredKVConfig(device_budget="25%", policy="lfu-importance", warm_codec="int4")
+        TieredKVConfig(budgets=BudgetConfig(device="25%"), warm=WarmConfig(codec="int4"))
+
+    ``page_size`` tokens per page; ``kv_dtype`` stores pages in another dtype than the model
+    computes in (``float16`` is the deployment dtype; budgets count the stored bytes);
+    ``scorer_weights`` a trained scorer file (default: the packaged one for the model's shape).
+    """
+
+    page_size: int = setting(16, _integer(1))
+    kv_dtype: str | None = setting(None, _choice(lambda: KV_DTYPES, optional=True))
+    scorer_weights: str | None = setting(None, _optional_path)
+    window: WindowConfig = field(default_factory=WindowConfig)
+    budgets: BudgetConfig = field(default_factory=BudgetConfig)
+    migration: MigrationConfig = field(default_factory=MigrationConfig)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
+    warm: WarmConfig = field(default_factory=WarmConfig)
+
+    def __init__(self, **settings: Any) -> None:
+        top = {f.name for f in fields(self) if f.name not in _SECTIONS}
+        unknown = sorted(set(settings) - top - set(_SECTIONS) - set(FLAT_SETTINGS))
+        if unknown:
+            raise ConfigError(f"unknown settings {unknown}; expected any of {sorted(top | set(FLAT_SETTINGS))} "
+                              f"or the sections {sorted(_SECTIONS)}")
+        overrides: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        for key, value in settings.items():
+            if key in FLAT_SETTINGS:
+                section, name = FLAT_SETTINGS[key]
+                overrides[section][name] = value
+        for f in fields(self):
+            if f.name in _SECTIONS:
+                value = _section(f.name, settings.get(f.name, None))
+                if overrides[f.name]:
+                    try:
+                        value = dataclasses.replace(value, **overrides[f.name])
+                    except TypeError as exc:  # a bad value reached a constructor
+                        raise ConfigError(f"{f.name}: {exc}") from None
+            else:
+                value = settings.get(f.name, f.default)
+            object.__setattr__(self, f.name, value)
+        self.__post_init__()
 
     # ------------------------------------------------------------------ derived
     @property
     def t0_pages(self) -> int:
         """Upper bound of T0 pages per sequence-layer: sink pages + recent-window pages + the hot page."""
-        return -(-self.sink_tokens // self.page_size) + -(-self.recent_tokens // self.page_size) + 1
+        return -(-self.window.sink_tokens // self.page_size) + -(-self.window.recent_tokens // self.page_size) + 1
 
-    def replace(self, **changes: Any) -> "TieredKVConfig":
-        return dataclasses.replace(self, **changes)
+    def replace(self, **settings: Any) -> "TieredKVConfig":
+        """A copy with some settings changed (flat names, top-level names or whole sections)."""
+        current = {f.name: getattr(self, f.name) for f in fields(self)}
+        return TieredKVConfig(**{**current, **settings})
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting by its flat name."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _SECTIONS}
+        for key, (section, name) in FLAT_SETTINGS.items():
+            out[key] = getattr(getattr(self, section), name)
+        return out
 
     # ------------------------------------------------------------------ files
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "config") -> "TieredKVConfig":
+        """From a mapping of settings: sections as tables (``{"budgets": {"device": "25%"}}``)
+        and flat names at the top level (``{"device_budget": "25%"}``); lists become tuples."""
         data = _settings_table(data, source)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"{source}: unknown keys {unknown}; expected a subset of {sorted(known)}")
-        for key in ("score_weights", "selection_weights", "lfu_importance_weights"):
-            if key in data and isinstance(data[key], list):
-                data[key] = tuple(data[key])
+        for name in _SECTIONS:
+            if name in data and not isinstance(data[name], Mapping):
+                raise ConfigError(f"{source}: {name} must be a table of settings, got {data[name]!r}")
         try:
             return cls(**data)
         except ConfigError as exc:
@@ -264,6 +411,22 @@ class TieredKVConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: expected a mapping of settings at the top level")
         return _settings_table(data, str(p))
+
+
+def _section(name: str, value: Any) -> _Settings:
+    """A section from an instance, a mapping of its fields, or None (the defaults)."""
+    cls = _SECTIONS[name]
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"{name}: unknown keys {unknown}; expected a subset of {sorted(known)}")
+        return cls(**value)
+    raise ConfigError(f"{name}: expected a {cls.__name__} or a table of settings, got {value!r}")
 
 
 def _settings_table(data: Mapping[str, Any], source: str) -> dict:
@@ -307,11 +470,11 @@ def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_
     ``warm_page_bytes``: bytes of one encoded page of one layer (with ``warm_codec``)."""
     P = config.page_size
     tok_all = token_bytes_per_layer * num_layers
-    dev = Budget.parse(config.device_budget, "device_budget")
-    host = Budget.parse(config.host_budget, "host_budget")
-    att = Budget.parse(config.attention_budget, "attention_budget")
+    dev = Budget.parse(config.budgets.device, "device_budget")
+    host = Budget.parse(config.budgets.host, "host_budget")
+    att = Budget.parse(config.budgets.attention, "attention_budget")
     device_pages = host_pages = attention_pages = None
-    staging = config.staging_pages
+    staging = config.budgets.staging_pages
     if dev is not None:
         per_seq = dev.tokens(full_tokens=full_tokens, token_bytes_all_layers=tok_all, field="device_budget")
         # percent and per-sequence token budgets are per sequence; bytes are for the whole cache
@@ -320,8 +483,8 @@ def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_
         if device_pages < need:
             raise ConfigError(
                 f"device_budget {dev} gives {device_pages} pages per layer ({P} tokens each), too small to hold the "
-                f"hot window: T0 = {config.t0_pages} page(s) per sequence (sinks {config.sink_tokens} + recent "
-                f"{config.recent_tokens} tokens + the page being written) x {num_sequences} sequence(s) + "
+                f"hot window: T0 = {config.t0_pages} page(s) per sequence (sinks {config.window.sink_tokens} + recent "
+                f"{config.window.recent_tokens} tokens + the page being written) x {num_sequences} sequence(s) + "
                 f"{staging} staging page(s) + 1; expected at least {need} pages = {need * P} tokens per layer"
             )
     if host is not None:
@@ -330,7 +493,7 @@ def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_
             host_pages *= num_sequences
         if host_pages < 1:
             raise ConfigError(f"host_budget {host} is smaller than one page ({P} tokens per layer)")
-        if config.disk_path is None and device_pages is not None and full_tokens is not None:
+        if config.budgets.disk_path is None and device_pages is not None and full_tokens is not None:
             total = -(-full_tokens // P) * num_sequences
             if device_pages + host_pages < total:
                 raise ConfigError(
@@ -347,14 +510,14 @@ def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_
         # default: attend to as many pages as can be resident for one sequence
         attention_pages = (device_pages - staging) // num_sequences
     warm_pages = warm_given = 0
-    if device_pages is not None and config.warm_codec is not None:
+    if device_pages is not None and config.warm.codec is not None:
         if not warm_page_bytes:
             raise ValueError("internal: warm_codec set but warm_page_bytes not given")
         # T0 (+ the page being allocated) stays full precision; warm_fraction of the rest is compressed
         spare = device_pages - staging - (config.t0_pages * num_sequences + 1)
-        warm_given = round(config.warm_fraction * spare)
+        warm_given = round(config.warm.fraction * spare)
         warm_pages = warm_given * token_bytes_per_layer * P // warm_page_bytes
         if att is None:
             attention_pages = (device_pages - staging - warm_given + warm_pages) // num_sequences
-    hot = 0 if device_pages is None else int(config.hot_key_fraction * (device_pages - staging - warm_given))
+    hot = 0 if device_pages is None else int(config.budgets.hot_key_fraction * (device_pages - staging - warm_given))
     return ResolvedBudgets(device_pages, host_pages, attention_pages, hot, staging, warm_pages, warm_given)

@@ -1,8 +1,9 @@
 """TierManager: where every page of every layer lives, and every decision that moves it.
 
-Pages are *records* shared by all layers (record r is logical page i of sequence s in
-every layer); residency and statistics are per (layer, record): [L, R] tensors, so a
-decision is a handful of vectorized ops over all layers at once — no per-page Python.
+Pages are the *records* of a :class:`~tieredkv.runtime.tiered.page_table.PageTable` (record r
+is one logical page in every layer; shared prefix pages are listed by several sequences);
+residency and statistics are per (layer, record): [L, R] tensors, so a decision is a handful
+of vectorized ops over all layers at once — no per-page Python.
 
 Tiers (DESIGN.md, "the honest tiers"):
   T0 hot      device; the sink pages, the recent-window pages and the page being written
@@ -11,7 +12,7 @@ Tiers (DESIGN.md, "the honest tiers"):
               ``hot_key_pages`` per layer). On CUDA this region is what an L2
               access-policy window would cover; here it is accounting only;
   T2 device   the other resident pages; T0 + T1 + T2 <= the device budget minus staging;
-  T2w warm    (with ``warm_codec``) pages encoded with a KV codec in a fixed share of the
+  T2w warm    (with a warm codec) pages encoded with a KV codec in a fixed share of the
               device bytes: the policy's victims and the pages demoted at window
               boundaries are written back to the host when dirty (the host keeps the exact
               copy), then compressed here instead of leaving the device; attention decodes
@@ -22,6 +23,16 @@ Tiers (DESIGN.md, "the honest tiers"):
               keeps its host copy, so evicting it moves no bytes);
   T4 disk     host overflow, in a memory-mapped file (optional).
 
+What the cache asks of it, per step (one decode step of DESIGN.md, in order):
+  ``begin_step``     new records and device slots for the step's tokens -> a :class:`StepPlan`;
+  ``write_tokens``   per layer: the new K/V into their device pages, the key summaries;
+  ``summaries``      per layer and sequence: what the scorer reads;
+  ``attended``       per layer and sequence: the selected pages the step can attend (mode);
+  ``read_pages``     the one reader of pages, from whichever tier holds them;
+  ``record_access``  per layer and sequence: what the step needed, missed, streamed, the
+                     attention mass and importance — and the one accounting of its reads;
+  ``end_step``       statistics, migration at window boundaries, demand admission.
+
 Invariants (the property tests check them after every step):
   * every live page has at least one copy (device, host or disk) — nothing is lost;
     a warm (compressed) page always has an exact copy on the host or disk;
@@ -29,21 +40,25 @@ Invariants (the property tests check them after every step):
   * slot tables and pool owners are each other's inverse; no slot holds two pages;
   * device-owned pages per layer <= resident capacity; host pages <= host budget;
   * every live page of every layer is counted in exactly one tier, and the counted moves
-    balance the pools: device slots = created + fetched - evicted - released, warm slots =
-    compressed - warm promotions - warm drops - released;
-  * freeing a sequence returns all of its slots and records.
+    balance the pools: device slots = created + fetched + copied - evicted - released, warm
+    slots = compressed - warm promotions - warm drops - released;
+  * the page table's own (reference counts, free list, page lists);
+  * freeing a sequence returns every slot and record no other sequence lists.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
 from tieredkv.errors import KVCacheFullError
+from tieredkv.plugins.kv_append import kv_append
 from tieredkv.runtime.tiered.config import ResolvedBudgets, TieredKVConfig
 from tieredkv.runtime.tiered.metrics import TierMetrics
+from tieredkv.runtime.tiered.page_table import PageTable, PageTableState
 from tieredkv.runtime.tiered.policies import PageStats, ReplacementPolicy
 from tieredkv.runtime.tiered.store import DiskPool, TierPool, WarmPool, _rank_within_groups
 
@@ -53,8 +68,8 @@ INF = float("inf")
 @dataclass
 class StepAccess:
     """What one step did, per (layer, record): pages it needed (selected, T0 excluded),
-    which of those were not resident, the attention mass each page received, and the
-    importance the scorer gave each page."""
+    which of those were not resident, the pages streamed to the staging area, the attention
+    mass each page received, and the importance kept for it."""
 
     needed: torch.Tensor  # [L, R] bool
     missing: torch.Tensor  # [L, R] bool
@@ -63,178 +78,204 @@ class StepAccess:
     importance: torch.Tensor  # [L, R] float
     scored: torch.Tensor  # [L, R] bool: importance was computed
 
+    @classmethod
+    def empty(cls, num_layers: int, num_records: int) -> "StepAccess":
+        flags = lambda: torch.zeros(num_layers, num_records, dtype=torch.bool)  # noqa: E731
+        return cls(flags(), flags(), flags(), torch.zeros(num_layers, num_records),
+                   torch.zeros(num_layers, num_records), flags())
+
+
+@dataclass(frozen=True)
+class SeqStep:
+    """One sequence's part of the open step: its records in logical order and where the
+    step's new tokens go."""
+
+    seq: int
+    recs: torch.Tensor  # [M] the sequence's records, logical order
+    rows: slice | torch.Tensor  # the same records as an index of [L, R] columns (a slice when consecutive)
+    t0: torch.Tensor  # [M] bool: in T0 (attended whatever its score)
+    index: torch.Tensor  # [M] logical page index
+    tokens: torch.Tensor  # [M] tokens written in each page, the step's included
+    distance: torch.Tensor  # [M] from the last new token to each page's last token
+    write_recs: torch.Tensor  # [T] the record of each new token
+    write_offsets: torch.Tensor  # [T] its slot in that page
+    seq_len: int  # tokens after the step
+    past: int  # tokens before the step
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The open step: every sequence's :class:`SeqStep`, and the new tokens' places in
+    (sequence, token) order."""
+
+    seqs: tuple[SeqStep, ...]
+    num_new: int
+    write_recs: torch.Tensor  # [B * T]
+    write_offsets: torch.Tensor  # [B * T]
+
+    @property
+    def decode(self) -> bool:
+        return self.num_new == 1
+
+
+@dataclass(eq=False)
+class ManagerState:
+    """A copy of a TierManager's state (its metrics excepted: they keep accumulating)."""
+
+    table: PageTableState
+    pools: dict[str, tuple]
+    step_no: int
+
 
 class TierManager:
+    """``page_bytes``: the bytes one page of one layer counts for (default: the device pool's;
+    trace replay, whose pages carry one value, counts the real pages'). ``next_use(table)``:
+    the step of each (layer, record)'s next access, [L, R] (Belady's oracle replays a recorded
+    trace). ``keep_decoded_warm``: the warm pool keeps decoded copies (a CPU evaluation aid,
+    ``WarmPool``)."""
+
     def __init__(self, *, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  config: TieredKVConfig, budgets: ResolvedBudgets, policy: ReplacementPolicy,
-                 device: str = "cpu") -> None:
+                 page_bytes: int | None = None, next_use: Callable[[PageTable], torch.Tensor] | None = None,
+                 keep_decoded_warm: bool = False) -> None:
         self.L, self.P = num_layers, config.page_size
         self.config, self.budgets, self.policy = config, budgets, policy
         self.kv_heads, self.head_dim = kv_heads, head_dim
         unlimited = policy.unlimited or budgets.device_pages is None
         self.resident_cap = None if unlimited else budgets.resident_pages
-        self.device = TierPool("device", num_layers, kv_heads, self.P, head_dim, dtype, self.resident_cap, device=device)
+        self.device = TierPool("device", num_layers, kv_heads, self.P, head_dim, dtype, self.resident_cap)
         self.host = TierPool("host", num_layers, kv_heads, self.P, head_dim, dtype, budgets.host_pages, pin=True)
-        self.disk = (DiskPool(config.disk_path, num_layers, kv_heads, self.P, head_dim, dtype)
-                     if config.disk_path else None)
+        disk_path = config.budgets.disk_path
+        self.disk = DiskPool(disk_path, num_layers, kv_heads, self.P, head_dim, dtype) if disk_path else None
         self.warm = None
-        if config.warm_codec is not None and not unlimited and budgets.warm_pages > 0:
+        if config.warm.codec is not None and not unlimited and budgets.warm_pages > 0:
             from tieredkv.plugins.codec import CODECS
 
-            self.warm = WarmPool(num_layers, CODECS[config.warm_codec], (kv_heads, self.P, head_dim),
-                                 budgets.warm_pages, device=device)
+            self.warm = WarmPool(num_layers, CODECS[config.warm.codec], (kv_heads, self.P, head_dim),
+                                 budgets.warm_pages, keep_decoded=keep_decoded_warm)
         self.staging_pages = 0 if unlimited else budgets.staging_pages
-        self.page_bytes = self.device.page_bytes
+        self.page_bytes = self.device.page_bytes if page_bytes is None else page_bytes
+        self.next_use = next_use
         self.metrics = TierMetrics()
         self.step_no = 0  # decode steps so far (the clock of recency statistics)
-        self.next_use_fn = None  # set by the trace replayer for the Belady oracle
+        self.table = PageTable(num_layers, kv_heads, head_dim, self.P)
+        self._access: StepAccess | None = None
         self._restored = False  # a rollback happened (the move counters no longer balance the pools)
-        # records
-        self.R = 0
-        self.free_records: list[int] = []
-        self.seq_pages: dict[int, list[int]] = {}
-        self.seq_len: dict[int, int] = {}
-        self._alloc_records(64)
 
-    # ------------------------------------------------------------------ records
-    def _alloc_records(self, n: int) -> None:
-        old, new = self.R, self.R + n
-        L = self.L
-
-        def grow(t: torch.Tensor | None, fill, shape_tail=(), dtype=torch.long, per_layer=True):
-            shape = ((L, n) if per_layer else (n,)) + tuple(shape_tail)
-            pad = torch.full(shape, fill, dtype=dtype)
-            if t is None:
-                return pad
-            return torch.cat([t, pad], dim=1 if per_layer else 0)
-
-        g = lambda name, *a, **k: setattr(self, name, grow(getattr(self, name, None), *a, **k))  # noqa: E731
-        g("rec_seq", -1, per_layer=False)
-        g("rec_index", 0, per_layer=False)
-        g("rec_tokens", 0, per_layer=False)
-        g("rec_t0", False, dtype=torch.bool, per_layer=False)
-        g("dev_slot", -1)
-        g("host_slot", -1)
-        g("disk_slot", -1)
-        g("warm_slot", -1)
-        g("last_access", 0)
-        g("frequency", 0)
-        g("win_access", 0)
-        g("idle_windows", 0)
-        g("t1", False, dtype=torch.bool)
-        g("importance", 0.0, dtype=torch.float32)
-        g("acc_mass", 0.0, dtype=torch.float32)
-        g("kmin", INF, (self.kv_heads, self.head_dim), dtype=torch.float32)
-        g("kmax", -INF, (self.kv_heads, self.head_dim), dtype=torch.float32)
-        g("sal_sum", 0.0, dtype=torch.float32)
-        self.free_records.extend(range(new - 1, old - 1, -1))
-        self.R = new
-
-    def _new_record(self, seq: int, index: int) -> int:
-        if not self.free_records:
-            self._alloc_records(self.R)
-        r = self.free_records.pop()
-        self.rec_seq[r], self.rec_index[r], self.rec_tokens[r], self.rec_t0[r] = seq, index, 0, True
-        for name, value in (("dev_slot", -1), ("host_slot", -1), ("disk_slot", -1), ("warm_slot", -1), ("frequency", 0),
-                            ("win_access", 0), ("idle_windows", 0), ("t1", False), ("importance", 1.0),
-                            ("acc_mass", 0.0), ("kmin", INF), ("kmax", -INF), ("sal_sum", 0.0)):
-            getattr(self, name)[:, r] = value
-        self.last_access[:, r] = self.step_no
-        return r
+    def _pools(self):
+        """(pool, slot column) of every tier that may hold pages."""
+        t = self.table
+        return ((self.device, t.device_slot), (self.warm, t.warm_slot), (self.host, t.host_slot),
+                (self.disk, t.disk_slot))
 
     @property
     def alive(self) -> torch.Tensor:
-        return self.rec_seq >= 0
+        return self.table.alive
 
-    def _pools(self):
-        """(pool, slot table) of every tier that may hold pages."""
-        return ((self.device, self.dev_slot), (self.warm, self.warm_slot), (self.host, self.host_slot),
-                (self.disk, self.disk_slot))
-
-    def resident(self, layer: int, rows) -> torch.Tensor:
+    def resident(self, layer: int | slice, rows) -> torch.Tensor:
         """Device-resident (full precision or warm) mask of records ``rows`` in ``layer``."""
-        return (self.dev_slot[layer, rows] >= 0) | (self.warm_slot[layer, rows] >= 0)
-
-    def read_warm(self, layer: int, recs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode warm pages of one layer for attention (float32)."""
-        self.metrics.warm_reads += len(recs)
-        layers = torch.full_like(recs, layer)
-        return self.warm.read(layers, self.warm_slot[layer, recs])
+        t = self.table
+        return (t.device_slot[layer, rows] >= 0) | (t.warm_slot[layer, rows] >= 0)
 
     def records_of(self, seq: int) -> torch.Tensor:
-        return torch.tensor(self.seq_pages[seq], dtype=torch.long)
+        return self.table.records_of(seq)
+
+    def length(self, seq: int) -> int:
+        return self.table.seq_len[seq]
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.table.seq_pages)
 
     # ------------------------------------------------------------------ sequences
-    def add_sequence(self, seq: int) -> None:
-        self.seq_pages[seq] = []
-        self.seq_len[seq] = 0
+    def add_sequence(self, seq: int, shared: Sequence[int] = ()) -> None:
+        """A new sequence; ``shared``: full pages of live sequences it starts with (reference-counted)."""
+        self.table.add_sequence(seq, shared)
 
     def free_sequence(self, seq: int) -> None:
-        recs = self.records_of(seq)
-        self._drop_records(recs)
-        del self.seq_pages[seq], self.seq_len[seq]
+        self._unlist(self.records_of(seq))
+        del self.table.seq_pages[seq], self.table.seq_len[seq]
 
-    def _drop_records(self, recs: torch.Tensor) -> None:
-        if len(recs) == 0:
+    def _unlist(self, recs: torch.Tensor) -> None:
+        """A sequence lets ``recs`` go; the records no other sequence lists release every slot."""
+        freed = self.table.unref(recs)
+        if len(freed) == 0:
             return
-        for pool, table in self._pools():
+        for pool, slots in self._pools():
             if pool is None:
                 continue
-            sub = table[:, recs]
+            sub = slots[:, freed]
             layers, cols = (sub >= 0).nonzero(as_tuple=True)
             pool.release(layers, sub[layers, cols])
-            table[:, recs] = -1
+            slots[:, freed] = -1
             if pool is self.device:
                 self.metrics.released_pages += len(layers)
             elif pool is self.warm:
                 self.metrics.released_warm_pages += len(layers)
-        self.rec_seq[recs] = -1
-        self.t1[:, recs] = False
-        self.free_records.extend(recs.tolist())
+        self.table.release(freed)
 
     def truncate(self, seq: int, length: int) -> None:
+        t = self.table
         keep = -(-length // self.P)
-        pages = self.seq_pages[seq]
-        self._drop_records(torch.tensor(pages[keep:], dtype=torch.long))
+        pages = t.seq_pages[seq]
+        self._unlist(torch.tensor(pages[keep:], dtype=torch.long))
         del pages[keep:]
-        self.seq_len[seq] = min(self.seq_len[seq], length)
+        t.seq_len[seq] = min(t.seq_len[seq], length)
         if pages:
-            self.rec_tokens[pages[-1]] = self.seq_len[seq] - (len(pages) - 1) * self.P
-        self._update_t0()
+            if t.seq_len[seq] % self.P and int(t.refs[pages[-1]]) > 1:
+                pages[-1] = self._copy_record(pages[-1])  # copy on write: the page will be written
+            t.tokens[pages[-1]] = t.seq_len[seq] - (len(pages) - 1) * self.P
+        t.update_t0(self.config.window.sink_tokens, self.config.window.recent_tokens)
 
-    # ------------------------------------------------------------------ T0
-    def _update_t0(self) -> None:
-        c = self.config
-        sink_pages = -(-c.sink_tokens // self.P)
-        self.rec_t0.zero_()
-        for seq, pages in self.seq_pages.items():
-            if not pages:
-                continue
-            n = self.seq_len[seq]
-            first_recent = max(0, n - c.recent_tokens) // self.P
-            recs = torch.tensor(pages, dtype=torch.long)
-            idx = torch.arange(len(pages))
-            self.rec_t0[recs] = (idx < sink_pages) | (idx >= min(first_recent, len(pages) - 1))
+    def _copy_record(self, rec: int) -> int:
+        """A private copy of shared record ``rec`` (statistics, summaries and K/V in every layer,
+        in a new device slot); ``rec`` loses one reference."""
+        t = self.table
+        new = t.new_record(int(t.index[rec]), self.step_no)
+        for name, meta in t.columns():
+            if name not in ("refs", "device_slot", "warm_slot", "host_slot", "disk_slot"):
+                column = getattr(t, name)
+                if meta["per_layer"]:
+                    column[:, new] = column[:, rec]
+                else:
+                    column[new] = column[rec]
+        t.t0[new] = True
+        layers = torch.arange(self.L)
+        recs = torch.full_like(layers, rec)
+        k, v = self.read_pages(layers, recs, self.device.dtype, exact=True)
+        want = torch.zeros(self.L, t.capacity, dtype=torch.bool)
+        want[:, new] = True
+        self._make_room(want.sum(1), protect=want)
+        slots = self.device.alloc(layers, torch.full_like(layers, new))
+        if slots is None:
+            raise KVCacheFullError(f"the device budget ({self.resident_cap} resident pages per layer) has no room for "
+                                   "the private copy of a shared page that a truncated sequence writes into")
+        self.device.write(layers, slots, k, v)
+        t.device_slot[layers, new] = slots
+        self.metrics.copied_pages += self.L
+        t.unref(torch.tensor([rec]))
+        return new
 
     # ------------------------------------------------------------------ step begin: new pages
-    def begin_step(self, seqs: tuple[int, ...], num_new: int) -> None:
+    def begin_step(self, seqs: tuple[int, ...], num_new: int) -> StepPlan:
         """Create the records the step's new tokens need and give them device slots,
         evicting by policy first when the resident capacity would be exceeded."""
-        t0 = time.perf_counter()
+        t_start = time.perf_counter()
+        t = self.table
         new: list[int] = []
         for seq in seqs:
-            n = self.seq_len[seq] + num_new
-            pages = self.seq_pages[seq]
+            n = t.seq_len[seq] + num_new
+            pages = t.seq_pages[seq]
             while len(pages) * self.P < n:
-                pages.append(self._new_record(seq, len(pages)))
+                pages.append(t.new_record(len(pages), self.step_no))
                 new.append(pages[-1])
-            self.seq_len[seq] = n
+            t.seq_len[seq] = n
             for i in range(max(0, len(pages) - -(-num_new // self.P) - 1), len(pages)):
-                self.rec_tokens[pages[i]] = min(self.P, n - i * self.P)
-        self._update_t0()
+                t.tokens[pages[i]] = min(self.P, n - i * self.P)
+        t.update_t0(self.config.window.sink_tokens, self.config.window.recent_tokens)
         if new:
             recs = torch.tensor(new, dtype=torch.long)
-            want = torch.zeros(self.L, self.R, dtype=torch.bool)
+            want = torch.zeros(self.L, t.capacity, dtype=torch.bool)
             want[:, recs] = True
             self._make_room(want.sum(1), protect=want)
             layers, cols = want.nonzero(as_tuple=True)
@@ -244,52 +285,135 @@ class TierManager:
                     f"the device budget ({self.resident_cap} resident pages per layer) cannot take "
                     f"{len(new)} new page(s): every resident page is in T0 (sinks + recent window) of a live sequence. "
                     "Raise the device budget, lower recent_tokens, or run fewer sequences at once.")
-            self.dev_slot[layers, cols] = slots
+            t.device_slot[layers, cols] = slots
             self.metrics.created_pages += len(layers)
-        self.metrics.manager_seconds += time.perf_counter() - t0
+        self._access = StepAccess.empty(self.L, t.capacity)
+        self.metrics.manager_seconds += time.perf_counter() - t_start
+        return self._plan(seqs, num_new)
 
-    # ------------------------------------------------------------------ moves
-    def _source_read(self, layers: torch.Tensor, recs: torch.Tensor,
-                     count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of non-resident pages from the host (or disk). Bytes are counted for the
-        pages where ``count`` is True (default: all)."""
-        hs = self.host_slot[layers, recs]
-        k = torch.empty((len(recs), self.kv_heads, self.P, self.head_dim), dtype=self.device.dtype)
+    def _plan(self, seqs: tuple[int, ...], num_new: int) -> StepPlan:
+        t, P = self.table, self.P
+        steps = []
+        for seq in seqs:
+            recs = t.records_of(seq)
+            n = t.seq_len[seq]
+            pos = torch.arange(n - num_new, n)
+            # a sequence's records are usually consecutive: then a slice (a view) addresses its rows
+            contiguous = len(recs) > 0 and int(recs[-1]) - int(recs[0]) == len(recs) - 1 and bool((recs.diff() > 0).all())
+            rows = slice(int(recs[0]), int(recs[-1]) + 1) if contiguous else recs
+            tokens, index = t.tokens[rows], t.index[rows]
+            steps.append(SeqStep(seq=seq, recs=recs, rows=rows, t0=t.t0[rows], index=index, tokens=tokens,
+                                 distance=(n - 1) - (index * P + tokens - 1), write_recs=recs[pos // P],
+                                 write_offsets=pos % P, seq_len=n, past=n - num_new))
+        return StepPlan(tuple(steps), num_new, torch.cat([s.write_recs for s in steps]),
+                        torch.cat([s.write_offsets for s in steps]))
+
+    # ------------------------------------------------------------------ the step's layers
+    def write_tokens(self, layer: int, plan: StepPlan, k: torch.Tensor, v: torch.Tensor,
+                     saliency: torch.Tensor) -> None:
+        """The step's new K/V of one layer into their device pages (KVAppend, in place):
+        ``k``, ``v`` [B * T, KVH, D] in the plan's order, with each token's ``saliency`` [B * T];
+        the pages' key summaries follow."""
+        t = self.table
+        recs = plan.write_recs
+        pools = (self.device.k[layer], self.device.v[layer])
+        kv_append(*pools, k, v, t.device_slot[layer, recs], plan.write_offsets, out=pools)
+        kf = k.float()
+        idx = recs.view(-1, 1, 1).expand_as(kf)
+        t.kmin[layer].scatter_reduce_(0, idx, kf, "amin")
+        t.kmax[layer].scatter_reduce_(0, idx, kf, "amax")
+        t.sal_sum[layer].index_add_(0, recs, saliency)
+
+    def summaries(self, layer: int, seq: SeqStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the scorer reads of one sequence's pages in one layer: element-wise key min and
+        max [M, KVH, D] and the mean saliency [M]."""
+        t = self.table
+        return (t.kmin[layer, seq.rows], t.kmax[layer, seq.rows],
+                t.sal_sum[layer, seq.rows] / seq.tokens.clamp(min=1))
+
+    def attended(self, layer: int | slice, seq: SeqStep, selected: torch.Tensor, *, decode: bool) -> torch.Tensor:
+        """The selected pages the step attends: every one in exact mode and in prefill (the
+        non-resident ones streamed through the staging area); in masked mode's decode steps the
+        resident ones only (the others are counted as masked)."""
+        if not decode or self.config.selection.mode == "exact":
+            return selected
+        return selected & self.resident(layer, seq.rows)
+
+    def read_pages(self, layers: int | torch.Tensor, recs: torch.Tensor, dtype: torch.dtype, *,
+                   exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [N, KVH, P, D] of pages (``layers``, ``recs``) in ``dtype``, from whichever tier
+        holds them: the device pool, the warm pool decoded (``exact``: their host / disk copy
+        instead), else the host or disk copy. Counts nothing: :meth:`record_access` and
+        :meth:`admit` account what a step reads and fetches."""
+        t = self.table
+        if isinstance(layers, int):
+            dslot = t.device_slot[layers].index_select(0, recs)
+            if bool((dslot >= 0).all()):  # the common case: a view of the pool, one gather
+                return (self.device.k[layers].index_select(0, dslot).to(dtype),
+                        self.device.v[layers].index_select(0, dslot).to(dtype))
+            layers = torch.full_like(recs, layers)
+        k = torch.empty((len(recs), self.kv_heads, self.P, self.head_dim), dtype=dtype)
         v = torch.empty_like(k)
-        on_host = hs >= 0
-        if on_host.any():
-            k[on_host], v[on_host] = self.host.read(layers[on_host], hs[on_host])
-        if (~on_host).any():
-            ds = self.disk_slot[layers[~on_host], recs[~on_host]]
-            if (ds < 0).any():
-                raise RuntimeError("internal: a page has no copy in any tier")  # the invariant tests guard this
-            k[~on_host], v[~on_host] = self.disk.read(layers[~on_host], ds)
-        count = torch.ones(len(recs), dtype=torch.bool) if count is None else count
-        self.metrics.bytes_disk_read += int((count & ~on_host).sum()) * self.page_bytes
-        self.metrics.bytes_h2d += int(count.sum()) * self.page_bytes
+        dslot, wslot, hslot = t.device_slot[layers, recs], t.warm_slot[layers, recs], t.host_slot[layers, recs]
+        full, warm = dslot >= 0, (dslot < 0) & (wslot >= 0) & (not exact)
+        on_host = ~full & ~warm & (hslot >= 0)
+        on_disk = ~full & ~warm & ~on_host
+        for where, read, slots in ((full, self.device.read, dslot), (warm, self.warm and self.warm.read, wslot),
+                                   (on_host, self.host.read, hslot), (on_disk, self.disk and self.disk.read, None)):
+            idx = where.nonzero().flatten()
+            if not len(idx):
+                continue
+            if slots is None:  # the disk tier
+                slots = t.disk_slot[layers, recs]
+                if bool((slots[idx] < 0).any()):
+                    raise RuntimeError("internal: a page has no copy in any tier")  # the invariant tests guard this
+            ks, vs = read(layers[idx], slots[idx])
+            k.index_copy_(0, idx, ks.to(dtype))
+            v.index_copy_(0, idx, vs.to(dtype))
         return k, v
 
-    def stream(self, layer: int, recs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy non-resident pages of one layer into the staging area (for one step's attention)."""
-        self.count_stream(layer, recs)
-        return self.fetch(layer, recs)
+    def record_access(self, layer: int | slice, seq: SeqStep, *, decode: bool, selected: torch.Tensor,
+                      attended: torch.Tensor, importance: torch.Tensor, mass: torch.Tensor) -> None:
+        """What the step did with one sequence's pages in ``layer`` (a layer [M], or every layer
+        at once with ``slice(None)`` and [L, M] tensors): the pages it needed and missed (decode;
+        T0 excluded), masked misses, the pages streamed through the staging area, the attention
+        mass (0 where not attended) and the importance kept between steps. Accounts the step's
+        reads of pages that are not full-precision resident (warm decodes; streamed pages,
+        staging rounds, host-to-device and disk bytes). A page shared by several sequences
+        collects from each: flags or-ed, masses summed, the highest importance kept."""
+        acc, t, m, rows = self._access, self.table, self.metrics, seq.rows
+        resident = self.resident(layer, rows)
+        if decode:
+            need = selected & ~seq.t0
+            acc.needed[layer, rows] |= need
+            acc.missing[layer, rows] |= need & ~resident
+            m.masked += int((selected & ~attended).sum())
+        acc.streamed[layer, rows] |= attended & ~resident
+        acc.mass[layer, rows] += mass
+        acc.importance[layer, rows] = torch.where(acc.scored[layer, rows],
+                                                  torch.maximum(acc.importance[layer, rows], importance), importance)
+        acc.scored[layer, rows] = True
+        off = attended & (t.device_slot[layer, rows] < 0)
+        warm = off & (t.warm_slot[layer, rows] >= 0)
+        streamed = off & ~warm
+        m.warm_reads += int(warm.sum())
+        per_layer = streamed.sum(-1)
+        m.streamed_pages += int(per_layer.sum())
+        m.staging_rounds += int((-(-per_layer // max(1, self.staging_pages))).sum())
+        self._count_h2d(int(per_layer.sum()), int((streamed & (t.host_slot[layer, rows] < 0)).sum()))
 
-    def fetch(self, layer: int, recs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of non-resident pages of one layer from their host/disk copies, not accounted
-        (the caller accounts what it uses with :meth:`count_stream`)."""
-        return self._source_read(torch.full_like(recs, layer), recs, torch.zeros(len(recs), dtype=torch.bool))
+    def seq_access(self, seq: int) -> StepAccess:
+        """The open step's access record of one sequence's pages: [L, M] columns."""
+        recs = self.records_of(seq)
+        acc = self._access
+        return StepAccess(*(getattr(acc, f)[:, recs] for f in StepAccess.__dataclass_fields__))
 
-    def count_stream(self, layer: int, recs: torch.Tensor) -> None:
-        """Account one step's streaming of non-resident pages ``recs`` of one layer: pages,
-        staging rounds, host-to-device bytes and the disk reads among them."""
-        if not len(recs):
-            return
-        m = self.metrics
-        m.streamed_pages += len(recs)
-        m.staging_rounds += -(-len(recs) // max(1, self.staging_pages))
-        m.bytes_disk_read += int((self.host_slot[layer, recs] < 0).sum()) * self.page_bytes
-        m.bytes_h2d += len(recs) * self.page_bytes
+    def _count_h2d(self, pages: int, from_disk: int) -> None:
+        """Account ``pages`` pages copied host -> device, ``from_disk`` of them read from the disk tier."""
+        self.metrics.bytes_h2d += pages * self.page_bytes
+        self.metrics.bytes_disk_read += from_disk * self.page_bytes
 
+    # ------------------------------------------------------------------ moves
     def _ensure_host_room(self, need: torch.Tensor, leaving: torch.Tensor) -> None:
         """Free host slots per layer [L] when the host budget is bounded: drop host copies of
         device-resident pages first (no bytes move), then spill the lowest-priority host-only
@@ -299,30 +423,35 @@ class TierManager:
         short = (need - self.host.free()).clamp(min=0)
         if not short.any():
             return
+        t = self.table
         prio = self.policy.priority(self._stats())
         # 1) host copies of pages that stay resident: cheapest (they become dirty again)
-        cand = (self.host_slot >= 0) & (self.dev_slot >= 0) & ~leaving
+        cand = (t.host_slot >= 0) & (t.device_slot >= 0) & ~leaving
         short = self._drop_host_copies(cand, prio, short, spill=False)
         if short.any():
             if self.disk is None:
                 raise KVCacheFullError(
                     f"host budget ({self.host.max_capacity} pages per layer) is full and no disk tier (disk_path) "
                     "is configured; a demoted page would be lost. Raise host_budget or set disk_path.")
-            cand = (self.host_slot >= 0) & (self.dev_slot < 0)
+            cand = (t.host_slot >= 0) & (t.device_slot < 0)
             self._drop_host_copies(cand, prio, short, spill=True)
 
+    def _spill(self, layers: torch.Tensor, recs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Pages onto the disk tier (T4)."""
+        slots = self.disk.alloc(layers, recs)
+        self.disk.write(layers, slots, k, v)
+        self.table.disk_slot[layers, recs] = slots
+        self.metrics.spilled_pages += len(recs)
+        self.metrics.bytes_disk_write += len(recs) * self.page_bytes
+
     def _drop_host_copies(self, cand: torch.Tensor, prio: torch.Tensor, short: torch.Tensor, *, spill: bool):
+        t = self.table
         layers, recs = self._lowest(cand, prio, short)
         if len(recs):
             if spill:
-                k, v = self.host.read(layers, self.host_slot[layers, recs])
-                ds = self.disk.alloc(layers, recs)
-                self.disk.write(layers, ds, k, v)
-                self.disk_slot[layers, recs] = ds
-                self.metrics.spilled_pages += len(recs)
-                self.metrics.bytes_disk_write += len(recs) * self.page_bytes
-            self.host.release(layers, self.host_slot[layers, recs])
-            self.host_slot[layers, recs] = -1
+                self._spill(layers, recs, *self.host.read(layers, t.host_slot[layers, recs]))
+            self.host.release(layers, t.host_slot[layers, recs])
+            t.host_slot[layers, recs] = -1
         got = torch.bincount(layers, minlength=self.L)
         return (short - got).clamp(min=0)
 
@@ -331,40 +460,37 @@ class TierManager:
         back first."""
         if len(recs) == 0:
             return
+        t = self.table
         self._write_back(layers, recs)
-        self.device.release(layers, self.dev_slot[layers, recs])
-        self.dev_slot[layers, recs] = -1
-        self.t1[layers, recs] = False
+        self.device.release(layers, t.device_slot[layers, recs])
+        t.device_slot[layers, recs] = -1
+        t.t1[layers, recs] = False
         self.metrics.evicted_pages += len(recs)
 
     def _write_back(self, layers: torch.Tensor, recs: torch.Tensor) -> None:
         """Copy the dirty ones of these full-precision device pages to the host; when more
         leave at once than a bounded host tier can take, the rest go on to the disk tier."""
-        dirty = (self.host_slot[layers, recs] < 0) & (self.disk_slot[layers, recs] < 0)
+        t = self.table
+        dirty = (t.host_slot[layers, recs] < 0) & (t.disk_slot[layers, recs] < 0)
         if not dirty.any():
             return
-        dl, dr = layers[dirty], recs[dirty]
-        leaving = torch.zeros(self.L, self.R, dtype=torch.bool)
+        dirty_layers, dirty_recs = layers[dirty], recs[dirty]
+        leaving = torch.zeros(self.L, t.capacity, dtype=torch.bool)
         leaving[layers, recs] = True
-        self._ensure_host_room(torch.bincount(dl, minlength=self.L), leaving)
-        k, v = self.device.read(dl, self.dev_slot[dl, dr])
-        to_host = torch.ones(len(dr), dtype=torch.bool)
+        self._ensure_host_room(torch.bincount(dirty_layers, minlength=self.L), leaving)
+        k, v = self.device.read(dirty_layers, t.device_slot[dirty_layers, dirty_recs])
+        to_host = torch.ones(len(dirty_recs), dtype=torch.bool)
         if self.host.max_capacity is not None:
-            rank, _ = _rank_within_groups(dl, self.L)
-            to_host = rank < self.host.free()[dl]
+            rank, _ = _rank_within_groups(dirty_layers, self.L)
+            to_host = rank < self.host.free()[dirty_layers]
         if to_host.any():
-            hs = self.host.alloc(dl[to_host], dr[to_host])
-            self.host.write(dl[to_host], hs, k[to_host], v[to_host])
-            self.host_slot[dl[to_host], dr[to_host]] = hs
+            slots = self.host.alloc(dirty_layers[to_host], dirty_recs[to_host])
+            self.host.write(dirty_layers[to_host], slots, k[to_host], v[to_host])
+            t.host_slot[dirty_layers[to_host], dirty_recs[to_host]] = slots
         if not to_host.all():  # _ensure_host_room guarantees a disk tier here
-            ol, orr = dl[~to_host], dr[~to_host]
-            ds = self.disk.alloc(ol, orr)
-            self.disk.write(ol, ds, k[~to_host], v[~to_host])
-            self.disk_slot[ol, orr] = ds
-            self.metrics.spilled_pages += len(orr)
-            self.metrics.bytes_disk_write += len(orr) * self.page_bytes
-        self.metrics.writebacks += len(dr)
-        self.metrics.bytes_d2h += len(dr) * self.page_bytes
+            self._spill(dirty_layers[~to_host], dirty_recs[~to_host], k[~to_host], v[~to_host])
+        self.metrics.writebacks += len(dirty_recs)
+        self.metrics.bytes_d2h += len(dirty_recs) * self.page_bytes
 
     def demote(self, layers: torch.Tensor, recs: torch.Tensor, protect: torch.Tensor | None = None) -> None:
         """Full-precision device pages the policy let go: into the warm sub-tier when there is
@@ -373,17 +499,18 @@ class TierManager:
         if self.warm is None or len(recs) == 0:
             self.evict(layers, recs)
             return
+        t = self.table
         self._write_back(layers, recs)  # the host keeps the exact copy
         need = torch.bincount(layers, minlength=self.L)
         short = (need - self.warm.free()).clamp(min=0)
         if short.any():
-            cand = self.warm_slot >= 0
+            cand = t.warm_slot >= 0
             if protect is not None:
                 cand &= ~protect
-            wl, wr = self._lowest(cand, self.policy.priority(self._stats()), short)
-            self.warm.release(wl, self.warm_slot[wl, wr])
-            self.warm_slot[wl, wr] = -1
-            self.metrics.warm_drops += len(wr)
+            drop_layers, drop_recs = self._lowest(cand, self.policy.priority(self._stats()), short)
+            self.warm.release(drop_layers, t.warm_slot[drop_layers, drop_recs])
+            t.warm_slot[drop_layers, drop_recs] = -1
+            self.metrics.warm_drops += len(drop_recs)
         rank, _ = _rank_within_groups(layers, self.L)
         fits = rank < self.warm.free()[layers]
         if (~fits).any():
@@ -391,35 +518,38 @@ class TierManager:
         layers, recs = layers[fits], recs[fits]
         if len(recs) == 0:
             return
-        k, v = self.device.read(layers, self.dev_slot[layers, recs])
-        ws = self.warm.alloc(layers, recs)
-        self.warm.write(layers, ws, k, v)
-        self.warm_slot[layers, recs] = ws
-        self.device.release(layers, self.dev_slot[layers, recs])
-        self.dev_slot[layers, recs] = -1
-        self.t1[layers, recs] = False
+        k, v = self.device.read(layers, t.device_slot[layers, recs])
+        slots = self.warm.alloc(layers, recs)
+        self.warm.write(layers, slots, k, v)
+        t.warm_slot[layers, recs] = slots
+        self.device.release(layers, t.device_slot[layers, recs])
+        t.device_slot[layers, recs] = -1
+        t.t1[layers, recs] = False
         self.metrics.compressed_pages += len(recs)
         self.metrics.evicted_pages += len(recs)
 
     def admit(self, layers: torch.Tensor, recs: torch.Tensor, *, already_streamed: torch.Tensor | None = None) -> None:
-        """Non-resident pages become resident (free slots must exist). Pages streamed this
-        step adopt their staging copy: no second transfer is counted."""
+        """Non-resident pages become resident (free slots must exist), copied exact from the
+        host or disk. Pages streamed this step adopt their staging copy: no second transfer is
+        counted."""
         if len(recs) == 0:
             return
+        t = self.table
         slots = self.device.alloc(layers, recs)
         assert slots is not None, "admit() called without room"
-        # pages streamed this step adopt their staging copy: their bytes were counted then
-        fresh = None if already_streamed is None else ~already_streamed
-        k, v = self._source_read(layers, recs, count=fresh)
+        fresh = torch.ones(len(recs), dtype=torch.bool) if already_streamed is None else ~already_streamed
+        from_disk = fresh & (t.host_slot[layers, recs] < 0)
+        k, v = self.read_pages(layers, recs, self.device.dtype, exact=True)
+        self._count_h2d(int(fresh.sum()), int(from_disk.sum()))
         self.device.write(layers, slots, k, v)
-        self.dev_slot[layers, recs] = slots
+        t.device_slot[layers, recs] = slots
         self.metrics.fetched_pages += len(recs)
 
     # ------------------------------------------------------------------ decisions
     def _stats(self) -> PageStats:
-        next_use = self.next_use_fn() if self.next_use_fn is not None else None
-        return PageStats(self.last_access, self.frequency, self.importance, self.acc_mass,
-                         self.rec_index.expand(self.L, -1), next_use)
+        t = self.table
+        next_use = self.next_use(t) if self.next_use is not None else None
+        return PageStats(t.last_access, t.frequency, t.importance, t.acc_mass, t.index.expand(self.L, -1), next_use)
 
     def _lowest(self, cand: torch.Tensor, prio: torch.Tensor, counts: torch.Tensor):
         """The ``counts[l]`` lowest-priority candidates of each layer -> (layers, records)."""
@@ -433,8 +563,12 @@ class TierManager:
         layers = torch.arange(self.L).unsqueeze(1).expand(-1, k)[take]
         return layers, order[take]
 
+    def _highest(self, cand: torch.Tensor, prio: torch.Tensor, counts: torch.Tensor):
+        return self._lowest(cand, -prio, counts)
+
     def _candidates(self, protect: torch.Tensor | None) -> torch.Tensor:
-        cand = (self.dev_slot >= 0) & ~self.rec_t0.unsqueeze(0)
+        """Full-precision resident pages that may leave the device: not T0, not ``protect``-ed."""
+        cand = (self.table.device_slot >= 0) & ~self.table.t0.unsqueeze(0)
         return cand if protect is None else cand & ~protect
 
     def _make_room(self, need: torch.Tensor, protect: torch.Tensor | None) -> torch.Tensor:
@@ -445,80 +579,76 @@ class TierManager:
         free = self.resident_cap - self.device.used()
         short = (need - free).clamp(min=0)
         if short.any():
-            cand = self._candidates(protect)
-            layers, recs = self._lowest(cand, self.policy.priority(self._stats()), short)
+            layers, recs = self._lowest(self._candidates(protect), self.policy.priority(self._stats()), short)
             self.demote(layers, recs, protect)
         return torch.minimum(need, self.resident_cap - self.device.used())
 
-    def end_step(self, access: StepAccess, *, decode: bool) -> None:
-        t0 = time.perf_counter()
-        m = self.metrics
+    def end_step(self, *, decode: bool) -> None:
+        """Close the open step: statistics from its access record, migration at window
+        boundaries, demand admission of the pages it needed but did not find resident."""
+        t_start = time.perf_counter()
+        t, m, access = self.table, self.metrics, self._access
         if decode:
             self.step_no += 1
             m.decode_steps += 1
-            self.last_access[access.needed] = self.step_no
-            self.frequency += access.needed.long()
-            self.win_access += access.needed.long()
+            t.last_access[access.needed] = self.step_no
+            t.frequency += access.needed.long()
+            t.win_access += access.needed.long()
             m.hits += int((access.needed & ~access.missing).sum())
             m.misses += int(access.missing.sum())
         else:
             m.prefill_steps += 1
-        self.acc_mass += access.mass
-        self.importance = torch.where(access.scored, access.importance, self.importance)
-        if decode and self.step_no % self.config.window_steps == 0:
+        t.acc_mass += access.mass
+        t.importance = torch.where(access.scored, access.importance, t.importance)
+        if decode and self.step_no % self.config.migration.window_steps == 0:
             self._migrate()
-        # demand admission: pages this step needed but did not find resident
-        want = access.missing & (self.dev_slot < 0) & self.alive.unsqueeze(0)
+        want = access.missing & (t.device_slot < 0) & t.alive.unsqueeze(0)
         if want.any() and self.resident_cap is not None:
             room = self._make_room(want.sum(1), protect=access.needed | want)
-            layers, recs = self._highest(want, self.importance, room)
+            layers, recs = self._highest(want, t.importance, room)
             self.admit(layers, recs, already_streamed=access.streamed[layers, recs])
         elif want.any():
             layers, recs = want.nonzero(as_tuple=True)
             self.admit(layers, recs, already_streamed=access.streamed[layers, recs])
         self._record_residency()
-        m.manager_seconds += time.perf_counter() - t0
-
-    def _highest(self, cand: torch.Tensor, prio: torch.Tensor, counts: torch.Tensor):
-        return self._lowest(cand, -prio, counts)
+        self._access = None
+        m.manager_seconds += time.perf_counter() - t_start
 
     def _migrate(self) -> None:
         """Window boundary: the design note's thresholds. Demote (device -> host) pages idle
         for ``demote_idle_windows`` windows or scoring below ``demote_score``; promote
         host pages accessed >= ``promote_accesses`` times this window with a score above
         ``promote_score`` into free device slots (a prefetch)."""
-        c = self.config
-        self.idle_windows = torch.where(self.win_access > 0, torch.zeros_like(self.idle_windows),
-                                        self.idle_windows + 1)
+        c, t = self.config.migration, self.table
+        t.idle_windows = torch.where(t.win_access > 0, torch.zeros_like(t.idle_windows), t.idle_windows + 1)
         if self.resident_cap is not None:
-            demote = self._candidates(None) & ((self.idle_windows >= c.demote_idle_windows) |
-                                               (self.importance < c.demote_score))
+            demote = self._candidates(None) & ((t.idle_windows >= c.demote_idle_windows) |
+                                               (t.importance < c.demote_score))
             layers, recs = demote.nonzero(as_tuple=True)
             self.demote(layers, recs)
             self.metrics.demotions += len(recs)
             if self.warm is not None:
                 self._promote_warm()
-            promote = (self.alive.unsqueeze(0) & (self.dev_slot < 0) & (self.win_access >= c.promote_accesses)
-                       & (self.importance > c.promote_score))
+            promote = (t.alive.unsqueeze(0) & (t.device_slot < 0) & (t.win_access >= c.promote_accesses)
+                       & (t.importance > c.promote_score))
             room = (self.resident_cap - self.device.used()).clamp(min=0)
-            layers, recs = self._highest(promote, self.importance, room)
+            layers, recs = self._highest(promote, t.importance, room)
             self.admit(layers, recs)
             self.metrics.promotions += len(recs)
         self._update_hot_keys()
-        self.win_access.zero_()
+        t.win_access.zero_()
 
     def _promote_warm(self) -> None:
         """Warm pages that turned hot (the promotion thresholds) get a full-precision slot
         again, re-fetched exact from the host; full-precision victims take their place."""
-        c = self.config
-        hot = ((self.warm_slot >= 0) & (self.win_access >= c.promote_accesses)
-               & (self.importance > c.promote_score))
+        c, t = self.config.migration, self.table
+        hot = (t.warm_slot >= 0) & (t.win_access >= c.promote_accesses) & (t.importance > c.promote_score)
         if not hot.any():
             return
         room = self._make_room(hot.sum(1), protect=hot)
-        layers, recs = self._highest(hot & (self.warm_slot >= 0), self.importance, room)
-        self.warm.release(layers, self.warm_slot[layers, recs])
-        self.warm_slot[layers, recs] = -1
+        layers, recs = self._highest(hot & (t.warm_slot >= 0), t.importance, room)
+        self.warm.release(layers, t.warm_slot[layers, recs])
+        t.warm_slot[layers, recs] = -1
         self.admit(layers, recs)
         self.metrics.warm_promotions += len(recs)
 
@@ -529,28 +659,29 @@ class TierManager:
         cap = self.budgets.hot_key_pages
         if cap == 0:
             return
-        c = self.config
+        c, t = self.config.migration, self.table
         resident = self._candidates(None)
-        keep = self.t1 & resident & (self.idle_windows < c.demote_idle_windows) & (self.importance >= c.demote_score)
-        self.metrics.hot_key_demotions += int((self.t1 & resident & ~keep).sum())
-        eligible = resident & ~keep & (self.frequency >= c.promote_accesses) & (self.importance > c.promote_score)
+        keep = t.t1 & resident & (t.idle_windows < c.demote_idle_windows) & (t.importance >= c.demote_score)
+        self.metrics.hot_key_demotions += int((t.t1 & resident & ~keep).sum())
+        eligible = resident & ~keep & (t.frequency >= c.promote_accesses) & (t.importance > c.promote_score)
         room = (cap - keep.sum(1)).clamp(min=0)
-        layers, recs = self._highest(eligible, self.frequency.float(), room)
-        self.t1 = keep
-        self.t1[layers, recs] = True
+        layers, recs = self._highest(eligible, t.frequency.float(), room)
+        t.t1 = keep
+        t.t1[layers, recs] = True
         self.metrics.hot_key_promotions += len(recs)
 
     # ------------------------------------------------------------------ accounting
     def tier_counts(self) -> dict[str, int]:
-        alive = self.alive.unsqueeze(0)
-        dev = (self.dev_slot >= 0) & alive
-        t0 = dev & self.rec_t0.unsqueeze(0)
-        t1 = dev & self.t1 & ~t0
-        warm = (self.warm_slot >= 0) & alive
-        host_only = alive & ~dev & ~warm & (self.host_slot >= 0)
+        t = self.table
+        alive = t.alive.unsqueeze(0)
+        dev = (t.device_slot >= 0) & alive
+        t0 = dev & t.t0.unsqueeze(0)
+        t1 = dev & t.t1 & ~t0
+        warm = (t.warm_slot >= 0) & alive
+        host_only = alive & ~dev & ~warm & (t.host_slot >= 0)
         return {"T0": int(t0.sum()), "T1": int(t1.sum()), "T2": int((dev & ~t0 & ~t1).sum()),
                 "T2w": int(warm.sum()), "T3": int(host_only.sum()),
-                "T4": int((alive & ~dev & ~warm & ~host_only & (self.disk_slot >= 0)).sum())}
+                "T4": int((alive & ~dev & ~warm & ~host_only & (t.disk_slot >= 0)).sum())}
 
     @property
     def warm_page_bytes(self) -> int:
@@ -573,86 +704,57 @@ class TierManager:
         m = self.metrics
         counts = self.tier_counts()
         m.pages_per_tier = counts
-        m.bytes_per_tier = {t: n * (self.warm_page_bytes if t == "T2w" else self.page_bytes)
-                            for t, n in counts.items()}
+        m.bytes_per_tier = {tier: n * (self.warm_page_bytes if tier == "T2w" else self.page_bytes)
+                            for tier, n in counts.items()}
         m.warm_bytes_saved = counts["T2w"] * (self.page_bytes - self.warm_page_bytes)
-        m.summary_bytes = int(self.alive.sum()) * self.L * 2 * self.kv_heads * self.head_dim * 4
+        m.summary_bytes = int(self.table.alive.sum()) * self.L * 2 * self.kv_heads * self.head_dim * 4
         return m
 
     def check_invariants(self) -> None:
         """Raise AssertionError when an invariant (module docstring) does not hold."""
-        alive = self.alive
-        for pool, table in self._pools():
+        t = self.table
+        t.check()
+        alive = t.alive
+        for pool, slots in self._pools():
             if pool is None:
-                assert (table < 0).all()
+                assert (slots < 0).all()
                 continue
-            layers, recs = (table >= 0).nonzero(as_tuple=True)
+            layers, recs = (slots >= 0).nonzero(as_tuple=True)
             assert alive[recs].all(), f"{pool.name}: slot held by a dead record"
-            assert (pool.owner[layers, table[layers, recs]] == recs).all(), f"{pool.name}: owner/slot mismatch"
+            assert (pool.owner[layers, slots[layers, recs]] == recs).all(), f"{pool.name}: owner/slot mismatch"
             assert int((pool.owner >= 0).sum()) == len(recs), f"{pool.name}: orphan slot"
             if pool.max_capacity is not None:
                 assert int(pool.used().max()) <= pool.max_capacity, f"{pool.name}: over capacity"
         live = alive.unsqueeze(0).expand(self.L, -1)
-        has_copy = (self.dev_slot >= 0) | (self.host_slot >= 0) | (self.disk_slot >= 0)
-        written = (self.rec_tokens > 0).unsqueeze(0) & live
+        has_copy = (t.device_slot >= 0) | (t.host_slot >= 0) | (t.disk_slot >= 0)
+        written = (t.tokens > 0).unsqueeze(0) & live
         assert has_copy[written].all(), "a written page has no copy in any tier (lost)"
-        warm = self.warm_slot >= 0
-        assert not (warm & (self.dev_slot >= 0)).any(), "a page is both full precision and warm on the device"
-        assert ((self.host_slot >= 0) | (self.disk_slot >= 0))[warm].all(), "a warm page has no exact copy"
-        assert ((self.dev_slot >= 0) | ~(live & self.rec_t0.unsqueeze(0))).all(), "a T0 page is not resident"
+        warm = t.warm_slot >= 0
+        assert not (warm & (t.device_slot >= 0)).any(), "a page is both full precision and warm on the device"
+        assert ((t.host_slot >= 0) | (t.disk_slot >= 0))[warm].all(), "a warm page has no exact copy"
+        assert ((t.device_slot >= 0) | ~(live & t.t0.unsqueeze(0))).all(), "a T0 page is not resident"
         if self.resident_cap is not None:
             assert int(self.device.used().max()) <= self.resident_cap, "device over the resident capacity"
         counts = self.tier_counts()  # every live page of every layer is in exactly one tier
         assert sum(counts.values()) == self.L * int(alive.sum()), f"tier counts {counts} do not cover the live pages"
         if not self._restored:  # the move counters balance the pools (a rollback restores pools, not counters)
             m = self.metrics
-            dev = m.created_pages + m.fetched_pages - m.evicted_pages - m.released_pages
+            dev = m.created_pages + m.fetched_pages + m.copied_pages - m.evicted_pages - m.released_pages
             assert int(self.device.used().sum()) == dev, "device slots do not balance the counted moves"
             if self.warm is not None:
                 warm = m.compressed_pages - m.warm_promotions - m.warm_drops - m.released_warm_pages
                 assert int(self.warm.used().sum()) == warm, "warm slots do not balance the counted moves"
-        listed = sorted(r for pages in self.seq_pages.values() for r in pages)
-        assert listed == sorted(alive.nonzero().flatten().tolist()), "records and sequences disagree"
-        assert sorted(listed + self.free_records) == list(range(self.R)), "a record is lost or duplicated"
 
     # ------------------------------------------------------------------ checkpoint
-    _STATE = ("rec_seq", "rec_index", "rec_tokens", "rec_t0", "dev_slot", "host_slot", "disk_slot", "warm_slot",
-              "last_access",
-              "frequency", "win_access", "idle_windows", "t1", "importance", "acc_mass", "kmin", "kmax", "sal_sum")
+    def checkpoint(self) -> ManagerState:
+        """A copy of all mutable state but the metrics (which keep accumulating)."""
+        pools = {pool.name: pool.snapshot() for pool, _ in self._pools() if pool is not None}
+        return ManagerState(self.table.snapshot(), pools, self.step_no)
 
-    def checkpoint(self) -> dict:
-        """A copy of all mutable state except the metrics (which keep accumulating)."""
-        state = {name: getattr(self, name).clone() for name in self._STATE}
-        state.update(R=self.R, free_records=list(self.free_records), step_no=self.step_no,
-                     seq_pages={s: list(p) for s, p in self.seq_pages.items()}, seq_len=dict(self.seq_len))
-        for tag, pool in (("device", self.device), ("host", self.host)):
-            state[tag] = (pool.k.clone(), pool.v.clone(), pool.owner.clone())
-        if self.disk is not None:
-            state["disk"] = (self.disk.mm.copy(), self.disk.owner.clone())
-        if self.warm is not None:
-            memo = getattr(self.warm, "_memo", None)
-            state["warm"] = (self.warm.data.clone(), self.warm.owner.clone(),
-                             None if memo is None else tuple(t.clone() for t in memo))
-        return state
-
-    def rollback(self, state: dict) -> None:
+    def rollback(self, state: ManagerState) -> None:
         self._restored = True
-        for name in self._STATE:
-            setattr(self, name, state[name].clone())
-        self.R, self.step_no = state["R"], state["step_no"]
-        self.free_records = list(state["free_records"])
-        self.seq_pages = {s: list(p) for s, p in state["seq_pages"].items()}
-        self.seq_len = dict(state["seq_len"])
-        for tag, pool in (("device", self.device), ("host", self.host)):
-            k, v, owner = state[tag]
-            pool.k, pool.v, pool.owner = k.clone(), v.clone(), owner.clone()
-        if self.disk is not None:
-            data, owner = state["disk"]
-            if data.shape[0] != self.disk.capacity:
-                self.disk._grow(data.shape[0])
-            self.disk.mm[: data.shape[0]] = data
-            self.disk.owner = owner.clone()
-        if self.warm is not None:
-            data, owner, memo = state["warm"]
-            self.warm.data, self.warm.owner = data.clone(), owner.clone()
-            self.warm._memo = None if memo is None else tuple(t.clone() for t in memo)
+        self.table.restore(state.table)
+        for pool, _ in self._pools():
+            if pool is not None:
+                pool.restore(state.pools[pool.name])
+        self.step_no = state.step_no

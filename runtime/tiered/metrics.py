@@ -27,6 +27,7 @@ class TierMetrics:
     created_pages: int = 0  # new pages given a device slot (the tokens of a step)
     released_pages: int = 0  # full-precision device slots freed with their sequence (free, truncate)
     released_warm_pages: int = 0  # warm slots freed with their sequence
+    copied_pages: int = 0  # private copies of shared pages a truncated sequence writes into (copy on write)
     fetched_pages: int = 0  # pages admitted to the device (host -> device)
     evicted_pages: int = 0  # pages that left the device
     writebacks: int = 0  # dirty pages written to the host on eviction

@@ -1,12 +1,14 @@
 """Page storage of one tier for all layers, with vectorized slot allocation.
 
 * device and host tiers: torch tensors k, v [L, C, KVH, P, D] (the host pool is pinned
-  when CUDA is present; on a machine without a GPU both live in host memory and the
-  device tier is a budget);
+  when CUDA is present). Both live in host memory today: the device tier is a budget
+  (GPU-resident pools are the GPU path's work, issue #18);
 * disk tier (T4): a numpy memory-mapped file laid out slot-major [C, L, 2, KVH, P, D],
-  so that growing it appends to the file.
+  so that growing it appends to the file;
+* the warm sub-tier of T2: one uint8 row per page, encoded with a KV codec.
 
-``owner[l, c]`` is the page record stored in slot c of layer l, or -1 when free.
+``owner[l, c]`` is the page record stored in slot c of layer l, or -1 when free. Every pool
+copies and restores its own contents (``snapshot`` / ``restore``: the cache's checkpoint).
 """
 
 from __future__ import annotations
@@ -30,11 +32,10 @@ def _rank_within_groups(groups: torch.Tensor, num_groups: int) -> tuple[torch.Te
 
 class TierPool:
     def __init__(self, name: str, num_layers: int, kv_heads: int, page_size: int, head_dim: int,
-                 dtype: torch.dtype, capacity: int | None, *, device: str = "cpu", pin: bool = False,
-                 initial: int = 16) -> None:
+                 dtype: torch.dtype, capacity: int | None, *, pin: bool = False, initial: int = 16) -> None:
         self.name, self.num_layers = name, num_layers
         self.page_shape = (kv_heads, page_size, head_dim)
-        self.dtype, self.device, self.pin = dtype, device, pin
+        self.dtype, self.pin = dtype, pin
         self.max_capacity = capacity
         cap = capacity if capacity is not None else initial
         self.k = self._new(cap)
@@ -43,7 +44,7 @@ class TierPool:
         self.element_size = self.k.element_size()
 
     def _new(self, cap: int) -> torch.Tensor:
-        t = torch.zeros((self.num_layers, cap, *self.page_shape), dtype=self.dtype, device=self.device)
+        t = torch.zeros((self.num_layers, cap, *self.page_shape), dtype=self.dtype)
         return t.pin_memory() if self.pin and torch.cuda.is_available() else t
 
     @property
@@ -104,6 +105,13 @@ class TierPool:
         self.k[layers, slots] = k.to(self.k.device, self.dtype)
         self.v[layers, slots] = v.to(self.v.device, self.dtype)
 
+    def snapshot(self) -> tuple:
+        return self.k.clone(), self.v.clone(), self.owner.clone()
+
+    def restore(self, state: tuple) -> None:
+        k, v, owner = state
+        self.k, self.v, self.owner = k.clone(), v.clone(), owner.clone()
+
 
 class DiskPool(TierPool):
     """T4: pages in a memory-mapped file, slot-major so the file grows by appending."""
@@ -150,6 +158,16 @@ class DiskPool(TierPool):
         self.mm[slots.numpy(), layers.numpy(), 0] = as_np(k)
         self.mm[slots.numpy(), layers.numpy(), 1] = as_np(v)
 
+    def snapshot(self) -> tuple:
+        return self.mm.copy(), self.owner.clone()
+
+    def restore(self, state: tuple) -> None:
+        data, owner = state
+        if data.shape[0] != self.capacity:
+            self._grow(data.shape[0])
+        self.mm[: data.shape[0]] = data
+        self.owner = owner.clone()
+
     def close(self) -> None:
         if self.mm is not None:
             self.mm.flush()
@@ -161,20 +179,27 @@ class DiskPool(TierPool):
 class WarmPool(TierPool):
     """The warm sub-tier of T2: pages encoded with a KV codec (``tieredkv.plugins.codec``),
     one uint8 row of ``page_bytes`` per (layer, slot) in the documented byte layout
-    (docs/codec.md). Fixed capacity (the bytes the device budget gives it)."""
+    (docs/codec.md). Fixed capacity (the bytes the device budget gives it).
+
+    ``keep_decoded`` (a CPU evaluation aid, off by default): keep each warm page's decoded
+    float32 copy beside its bytes, so attention decodes a page once instead of every step.
+    Numerics are identical (decoding is deterministic); budgets and accounting count only the
+    encoded bytes. A GPU kernel decodes on the fly instead."""
 
     def __init__(self, num_layers: int, codec, shape: tuple[int, int, int], capacity: int, *,
-                 device: str = "cpu") -> None:
+                 keep_decoded: bool = False) -> None:
         from tieredkv.plugins.codec import page_bytes
 
         self.name, self.num_layers = "warm", num_layers
         self.codec, self.shape = codec, shape
         self.page_shape = (page_bytes(codec, *shape),)
-        self.dtype, self.device, self.pin = torch.uint8, device, False
+        self.dtype, self.pin = torch.uint8, False
         self.max_capacity = capacity
         self.data = self._new(capacity)
         self.owner = torch.full((num_layers, capacity), -1, dtype=torch.long)
         self.element_size = 1
+        self.decoded = (torch.zeros(num_layers, capacity, *shape), torch.zeros(num_layers, capacity, *shape)) \
+            if keep_decoded else None
 
     @property
     def page_bytes(self) -> int:
@@ -184,29 +209,27 @@ class WarmPool(TierPool):
     def _grow(self, needed: int) -> None:  # fixed capacity: alloc() returns None instead
         raise AssertionError("the warm pool does not grow")
 
-    #: CPU evaluation aid (off by default): keep each warm page's decoded float32 copy
-    #: beside its bytes so attention decodes a page once instead of every step. Numerics
-    #: are identical (decoding is deterministic); budgets and accounting still count only
-    #: the encoded bytes. A GPU kernel decodes on the fly instead.
-    memoize_decoded: bool = False
-
     def read(self, layers: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoded K, V [N, KVH, P, D] float32."""
         from tieredkv.plugins.codec import decode_pages
 
-        memo = getattr(self, "_memo", None)
-        if memo is None:
+        if self.decoded is None:
             return decode_pages(self.data[layers, slots], self.codec, self.shape)
-        return memo[0][layers, slots], memo[1][layers, slots]
+        return self.decoded[0][layers, slots], self.decoded[1][layers, slots]
 
     def write(self, layers: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         from tieredkv.plugins.codec import decode_pages, encode_pages
 
         data = encode_pages(k, v, self.codec).to(self.data.device)
         self.data[layers, slots] = data
-        if self.memoize_decoded:
-            if getattr(self, "_memo", None) is None:
-                shape = (self.num_layers, self.capacity, *self.shape)
-                self._memo = (torch.zeros(shape), torch.zeros(shape))
-            dk, dv = decode_pages(data, self.codec, self.shape)
-            self._memo[0][layers, slots], self._memo[1][layers, slots] = dk, dv
+        if self.decoded is not None:
+            self.decoded[0][layers, slots], self.decoded[1][layers, slots] = decode_pages(data, self.codec, self.shape)
+
+    def snapshot(self) -> tuple:
+        decoded = None if self.decoded is None else tuple(t.clone() for t in self.decoded)
+        return self.data.clone(), self.owner.clone(), decoded
+
+    def restore(self, state: tuple) -> None:
+        data, owner, decoded = state
+        self.data, self.owner = data.clone(), owner.clone()
+        self.decoded = None if decoded is None else tuple(t.clone() for t in decoded)

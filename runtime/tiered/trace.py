@@ -16,6 +16,7 @@ import torch
 from tieredkv.runtime.tiered.config import TieredKVConfig, resolve_budgets
 from tieredkv.runtime.tiered.manager import StepAccess, TierManager
 from tieredkv.runtime.tiered.metrics import TierMetrics
+from tieredkv.runtime.tiered.page_table import PageTable
 from tieredkv.runtime.tiered.policies import make_policy
 
 
@@ -73,65 +74,50 @@ class TraceRecorder:
 
     def __init__(self) -> None:
         self.trace: AccessTrace | None = None
+        self.seq: int | None = None
 
-    def record(self, cache, step, access: StepAccess, *, decode: bool) -> None:
-        if len(step.seq_ids) != 1:
+    def record(self, access: StepAccess, *, seq: int, num_new: int, decode: bool, page_size: int) -> None:
+        """One step's access record of sequence ``seq`` ([L, M] columns over its pages)."""
+        if self.seq is not None and seq != self.seq:
             raise ValueError("trace recording supports one sequence at a time")
-        mgr = cache.mgr
         if self.trace is None:
-            self.trace = AccessTrace(mgr.L, mgr.P)
-        recs = mgr.records_of(step.seq_ids[0])
-        self.trace.steps.append(TraceStep(step.num_new, decode, access.needed[:, recs].clone(),
-                                          access.mass[:, recs].clone(), access.importance[:, recs].clone(),
-                                          access.scored[:, recs].clone()))
+            self.trace, self.seq = AccessTrace(access.needed.shape[0], page_size), seq
+        self.trace.steps.append(TraceStep(num_new, decode, access.needed.clone(), access.mass.clone(),
+                                          access.importance.clone(), access.scored.clone()))
 
 
 def replay(trace: AccessTrace, config: TieredKVConfig, *, token_bytes_per_layer: int,
            full_tokens: int | None = None) -> TierMetrics:
     """Run the trace through a TierManager with ``config`` (its policy, budgets and
-    thresholds) and return the metrics: hits, misses, bytes moved, ..."""
+    thresholds) and return the metrics: hits, misses, bytes moved, ... A step selects the
+    recorded pages (decode: the needed ones plus T0; prefill: every page) and attends them as
+    the live cache would (exact / masked mode)."""
     if config.page_size != trace.page_size:
         raise ValueError(f"trace has page size {trace.page_size}, config {config.page_size}")
     budgets = resolve_budgets(config, num_layers=trace.num_layers, token_bytes_per_layer=token_bytes_per_layer,
                               full_tokens=full_tokens)
-    policy = make_policy(config.policy, lfu_importance_weights=config.lfu_importance_weights)
-    mgr = TierManager(num_layers=trace.num_layers, kv_heads=1, head_dim=1, dtype=torch.float32, config=config,
-                      budgets=budgets, policy=policy)
-    mgr.page_bytes = token_bytes_per_layer * config.page_size  # account as the real pages would
-    mgr.add_sequence(0)
+    policy = make_policy(config.migration.policy, lfu_importance_weights=config.migration.lfu_importance_weights)
     future = trace.next_use() if policy.needs_trace else None
-    current = {"i": 0}
+    current = {"step": 0}
 
-    def next_use_fn() -> torch.Tensor:
-        nu = future[current["i"]]
-        idx = mgr.rec_index.clamp(max=nu.shape[1] - 1)
-        table = nu[:, idx]
-        return torch.where(mgr.alive.unsqueeze(0), table, torch.full_like(table, float("inf")))
+    def next_use(table: PageTable) -> torch.Tensor:
+        nu = future[current["step"]]
+        per_page = nu[:, table.index.clamp(max=nu.shape[1] - 1)]
+        return torch.where(table.alive.unsqueeze(0), per_page, torch.full_like(per_page, float("inf")))
 
-    if future is not None:
-        mgr.next_use_fn = next_use_fn
-    L = trace.num_layers
+    mgr = TierManager(num_layers=trace.num_layers, kv_heads=1, head_dim=1, dtype=torch.float32, config=config,
+                      budgets=budgets, policy=policy, page_bytes=token_bytes_per_layer * config.page_size,
+                      next_use=next_use if future is not None else None)  # one-value pages: decisions only
+    mgr.add_sequence(0)
+    everything = slice(None)
     for i, s in enumerate(trace.steps):
-        current["i"] = i
-        mgr.begin_step((0,), s.num_new)
-        recs = mgr.records_of(0)
-        m = len(recs)
-        flags = lambda: torch.zeros(L, mgr.R, dtype=torch.bool)  # noqa: E731
-        access = StepAccess(needed=flags(), missing=flags(), streamed=flags(), mass=torch.zeros(L, mgr.R),
-                            importance=torch.zeros(L, mgr.R), scored=flags())
-        resident = mgr.dev_slot[:, recs] >= 0
-        access.needed[:, recs] = s.needed[:, :m]
-        access.missing[:, recs] = s.needed[:, :m] & ~resident
-        attended = s.needed[:, :m] | (torch.ones_like(resident) if not s.decode else mgr.rec_t0[recs].expand(L, -1))
-        access.streamed[:, recs] = attended & ~resident if config.mode == "exact" or not s.decode else False
-        access.mass[:, recs] = s.mass[:, :m]
-        access.importance[:, recs] = s.importance[:, :m]
-        access.scored[:, recs] = s.scored[:, :m]
-        if s.decode and config.mode == "masked":
-            mgr.metrics.masked += int(access.missing.sum())
-        per_layer = access.streamed.sum(1)
-        mgr.metrics.streamed_pages += int(per_layer.sum())
-        mgr.metrics.staging_rounds += int((-(-per_layer // max(1, mgr.staging_pages))).sum())
-        mgr.metrics.bytes_h2d += int(access.streamed.sum()) * mgr.page_bytes
-        mgr.end_step(access, decode=s.decode)
+        current["step"] = i
+        (seq,) = mgr.begin_step((0,), s.num_new).seqs
+        m = len(seq.recs)
+        needed = s.needed[:, :m]
+        selected = needed | seq.t0 if s.decode else torch.ones_like(needed)
+        attended = mgr.attended(everything, seq, selected, decode=s.decode)
+        mgr.record_access(everything, seq, decode=s.decode, selected=selected, attended=attended,
+                          importance=s.importance[:, :m], mass=s.mass[:, :m])
+        mgr.end_step(decode=s.decode)
     return mgr.metrics

@@ -30,12 +30,11 @@ from tieredkv.builder.export import (  # noqa: E402
     reference_step,
     run_onnx,
     save_step_graph,
-    step_input_names,
-    step_output_names,
 )
 from tieredkv.models.config import LlamaConfig, RopeScaling  # noqa: E402
 from tieredkv.models.llama import decode_one_token, prefill, rope_inv_freq  # noqa: E402
 from tieredkv.plugins.onnx_ops import DOMAIN, OPSET, PLUGIN_VERSION  # noqa: E402
+from tieredkv.runtime.tiered.engine_io import StepFeeds, StepOutputs  # noqa: E402
 from tieredkv.runtime.paged import PagedCacheConfig, PagedKVCache  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,8 +87,8 @@ def test_graph_passes_full_check_and_declares_the_interface(graph, model):
     proto = onnx.load(str(path))
     n = model.config.num_layers
     warm = options.warm_codec is not None
-    assert [i.name for i in proto.graph.input] == step_input_names(n, tiered_kv=tiered, warm=warm)
-    assert [o.name for o in proto.graph.output] == step_output_names(n, tiered_kv=tiered)
+    assert [i.name for i in proto.graph.input] == StepFeeds.names(n, tiered_kv=tiered, warm=warm)
+    assert [o.name for o in proto.graph.output] == StepOutputs.names(n, tiered_kv=tiered)
     custom_nodes = [nd for nd in proto.graph.node if nd.domain == DOMAIN]
     scorers = (2 if options.selection_weights == MIXED else 1) if tiered else 0
     assert sorted(nd.op_type for nd in custom_nodes) == sorted(
@@ -126,7 +125,7 @@ def test_step_matches_reference(graph, model, new_tokens, seq_lens, model_kv):
     got = run_onnx(sess, feeds)
     want = reference_step(model, feeds, tiered_kv=options.tiered_kv, selection_weights=options.selection_weights,
                           warm_codec=options.warm_codec)
-    assert set(got) == set(want) == set(step_output_names(model.config.num_layers, tiered_kv=options.tiered_kv))
+    assert set(got) == set(want) == set(StepOutputs.names(model.config.num_layers, tiered_kv=options.tiered_kv))
     assert got["logits"].shape == (len(seq_lens), new_tokens, model.config.vocab_size)
     assert max_err(got["logits"], want["logits"]) < LOGITS_ATOL
     for name in want:
@@ -266,7 +265,7 @@ def test_tensorrt_profiles_cover_decode_and_prefill(model):
     c = model.config
     profiles = tensorrt_profiles(c, page_size=16, max_batch=4, max_context=1000, prefill_chunk=128, tiered_kv=True)
     assert set(profiles) == {"decode", "prefill"}
-    names = set(step_input_names(c.num_layers, tiered_kv=True))
+    names = set(StepFeeds.names(c.num_layers, tiered_kv=True))
     for prof in profiles.values():
         assert set(prof) == names
         for lo, opt, hi in prof.values():
@@ -277,7 +276,7 @@ def test_tensorrt_profiles_cover_decode_and_prefill(model):
     assert profiles["decode"]["k_pool_0"][2] == [2 * 4 * 63, c.num_kv_heads, 16, c.head_dim]
     warm = tensorrt_profiles(c, page_size=16, max_batch=4, max_context=1000, prefill_chunk=128, tiered_kv=True,
                              warm_codec="int4")["decode"]
-    assert set(warm) == set(step_input_names(c.num_layers, tiered_kv=True, warm=True))
+    assert set(warm) == set(StepFeeds.names(c.num_layers, tiered_kv=True, warm=True))
     from tieredkv.plugins.codec import CODECS, page_bytes
     assert warm["warm_pool_0"] == [[1, page_bytes(CODECS["int4"], c.num_kv_heads, 16, c.head_dim)],
                                    [126, warm["warm_pool_0"][1][1]], [4 * 63, warm["warm_pool_0"][1][1]]]

@@ -88,7 +88,7 @@ def test_generate_tiered_flags(tiny_gguf, tmp_path, capsys):
     assert main(argv) == 0
     captured = capsys.readouterr()
     d = json.loads(captured.out.strip().splitlines()[-1])
-    assert d["kv_config"]["policy"] == "h2o" and d["kv_config"]["page_size"] == 8
+    assert d["kv_config"]["migration"]["policy"] == "h2o" and d["kv_config"]["page_size"] == 8
     assert d["tier_metrics"]["decode_steps"] == d["decode_steps"] and "hit_rate" in d["tier_metrics"]
     assert "hits" in captured.err  # --stats prints the metrics
 
@@ -100,15 +100,15 @@ def test_generate_warm_codec_flags(tiny_gguf, capsys):
     assert main(argv) == 0
     captured = capsys.readouterr()
     d = json.loads(captured.out.strip().splitlines()[-1])
-    assert d["kv_config"]["warm_codec"] == "int4" and d["kv_config"]["kv_dtype"] == "float16"
+    assert d["kv_config"]["warm"]["codec"] == "int4" and d["kv_config"]["kv_dtype"] == "float16"
     assert d["tier_metrics"]["compressed_pages"] > 0 and "warm (compressed) sub-tier" in captured.err
     assert main(["generate", "--model", tiny_gguf, "--prompt", "x", "--warm-codec", "zstd"]) == 2
-    assert "unknown warm_codec 'zstd'" in capsys.readouterr().err
+    assert "warm_codec (warm.codec): unknown value 'zstd'" in capsys.readouterr().err
     # a bare --warm-codec selects the measured default codec (int4) at the default share
     assert main(["generate", "--model", tiny_gguf, "--prompt", "the cat sat " * 40, "--max-new-tokens", "2",
                  "--kv-budget", "60%", "--page-size", "8", "--warm-codec", "--json"]) == 0
     d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert d["kv_config"]["warm_codec"] == "int4" and d["kv_config"]["warm_fraction"] == 0.75
+    assert d["kv_config"]["warm"] == {"codec": "int4", "fraction": 0.75}
 
 
 def test_kv_config_file_and_errors(tiny_gguf, tmp_path, capsys):
@@ -122,7 +122,7 @@ def test_kv_config_file_and_errors(tiny_gguf, tmp_path, capsys):
     d = last_json(capsys)
     assert d["method"]["policy"] == "lru" and d["stats"]["decode_steps"] == 128
     assert main(["generate", "--model", tiny_gguf, "--prompt", "x", "--policy", "fifo"]) == 2
-    assert "unknown policy 'fifo'" in capsys.readouterr().err
+    assert "policy (migration.policy): unknown value 'fifo'" in capsys.readouterr().err
     assert main(["generate", "--model", tiny_gguf, "--prompt", "x y z", "--kv-budget", "1%"]) == 2
     assert "too small to hold the hot window" in capsys.readouterr().err
 

@@ -81,7 +81,7 @@ def test_greedy_tokens_and_tier_decisions_equal_the_torch_backend(torch_model, b
     got_tokens, got_metrics, cache = run(backend, kv, ids)
     assert got_tokens == want_tokens
     assert got_metrics == want_metrics
-    if kv.device_budget is not None:
+    if kv.budgets.device is not None:
         assert want_metrics["misses"] > 0 or want_metrics["masked"] > 0  # the budget is at work
     cache.mgr.check_invariants()
 
@@ -108,7 +108,7 @@ def test_warm_engine_equals_the_torch_backend(torch_model, warm_backend, kv):
     got_tokens, got_metrics, cache = run(warm_backend, kv, ids)
     assert got_tokens == want_tokens
     assert got_metrics == want_metrics
-    if kv.warm_codec is not None:
+    if kv.warm.codec is not None:
         assert want_metrics["warm_reads"] > 0  # warm pages were attended
     cache.mgr.check_invariants()
 
@@ -116,26 +116,31 @@ def test_warm_engine_equals_the_torch_backend(torch_model, warm_backend, kv):
 def test_warm_engine_feeds_read_the_encoded_pool(warm_backend):
     """The feeds carry the warm pool's own bytes and the warm rows; warm pages are not staged."""
     from tieredkv.runtime.tiered.cache import TieredKVCache
+    from tieredkv.runtime.tiered.engine_io import StepOutputs, finish_step, step_feeds
 
     kv = TieredKVConfig(**TIGHT, mode="exact", warm_codec="int4", warm_fraction=0.5)
     cache = TieredKVCache(warm_backend.kv_spec(), kv, num_sequences=2)  # a budget with room for warm pages
     assert cache.budgets.warm_pages > 0
     sid = cache.add_sequence()
-    for tok in prompts(60, seed=9)[0]:  # grow a sequence past the budget, one token per step
+
+    def run_step(token: int):
         step = cache.begin_step([sid], 1)
-        feeds = cache.engine_feeds(step, tiered_graph=True, warm_codec="int4")
-        outs = warm_backend.run({**feeds, "input_ids": torch.tensor([[tok]]), "positions": torch.tensor([[step.past[0]]])})
-        cache.engine_finish(step, feeds, outs)
-    step = cache.begin_step([sid], 1)
-    feeds = cache.engine_feeds(step, tiered_graph=True, warm_codec="int4")
-    rows = feeds["page_warm_row"]
+        feeds = step_feeds(cache, tiered_graph=True, warm_codec="int4")
+        feeds.input_ids, feeds.positions = torch.tensor([[token]]), torch.tensor([[step.past[0]]])
+        outputs = StepOutputs.from_dict(warm_backend.run(feeds.as_dict()))
+        return step, feeds, outputs
+
+    for tok in prompts(60, seed=9)[0]:  # grow a sequence past the budget, one token per step
+        finish_step(cache, *run_step(tok))
+    step, feeds, outputs = run_step(1)
+    rows = feeds.page_warm_row
     assert (rows >= 0).any()
     for layer in range(cache.mgr.L):
-        assert feeds[f"warm_pool_{layer}"].data_ptr() == cache.mgr.warm.data[layer].data_ptr()
-        assert feeds[f"k_pool_{layer}"].shape[0] == cache.mgr.device.capacity  # nothing staged in exact mode...
-    assert feeds["page_mask"][rows >= 0].all()
-    cache.engine_finish(step, feeds, warm_backend.run({**feeds, "input_ids": torch.tensor([[1]]),
-                                                       "positions": torch.tensor([[step.past[0]]])}))
+        assert feeds.warm_pool[layer].data_ptr() == cache.mgr.warm.data[layer].data_ptr()
+        assert feeds.k_pool[layer].shape[0] == cache.mgr.device.capacity  # nothing staged in exact mode...
+    assert feeds.page_mask[rows >= 0].all()
+    finish_step(cache, step, feeds, outputs)
+    cache.mgr.check_invariants()
 
 
 def test_warm_engine_refuses_another_codec(warm_backend):

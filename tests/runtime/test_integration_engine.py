@@ -54,10 +54,10 @@ def test_onnxruntime_greedy_equals_torch(smollm, engine, prompts, kv):
         out[name] = [c.token_ids for c in llm.generate(prompts, params)]
         metrics[name] = llm.last_cache.metrics
     assert out["onnxruntime"] == out["torch"]
-    if kv.device_budget is not None:  # the budget is at work, and both backends decided the same
+    if kv.budgets.device is not None:  # the budget is at work, and both backends decided the same
         m = metrics["onnxruntime"]
         assert m.misses + m.masked > 0
-        if kv.warm_codec is not None:
+        if kv.warm.codec is not None:
             assert m.warm_reads > 0
         for field in ("misses", "masked", "streamed_pages", "evicted_pages", "resident_bytes_max", "warm_reads"):
             assert getattr(m, field) == getattr(metrics["torch"], field), field

@@ -39,7 +39,6 @@ from tieredkv.runtime.eval.passkey import passkey
 from tieredkv.runtime.eval.perplexity import context_length, split_windows
 from tieredkv.runtime.tiered.cache import TieredKVCache
 from tieredkv.runtime.tiered.config import TieredKVConfig
-from tieredkv.runtime.tiered.store import WarmPool
 
 REFERENCE = "float16"
 
@@ -56,7 +55,7 @@ def config_for(codec: str | None, total_tokens: int) -> TieredKVConfig:
 @torch.no_grad()
 def window_logprobs(model, config: TieredKVConfig, ids: list[int], ctx: int, *, teacher_chunk: int) -> torch.Tensor:
     """Log-softmax rows [n, V] predicting ids[ctx:] (row i predicts ids[ctx + i])."""
-    cache = TieredKVCache(model.kv_spec(), config, full_tokens=len(ids))
+    cache = TieredKVCache(model.kv_spec(), config, full_tokens=len(ids), keep_decoded_warm=True)
     sid = cache.add_sequence()
     last = prefill(model, cache, sid, torch.tensor(ids[:ctx]), chunk_size=512)
     rows = [last.view(1, -1)]
@@ -86,7 +85,6 @@ def main() -> int:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    WarmPool.memoize_decoded = True  # CPU aid: each page decoded once; identical numerics
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res_file = out / "results.json"
@@ -138,7 +136,7 @@ def main() -> int:
         if key in results:
             continue
         total = args.passkey_context + 32
-        method = tiered_method(model, config_for(name, total), name=name or REFERENCE)
+        method = tiered_method(model, config_for(name, total), name=name or REFERENCE, keep_decoded_warm=True)
         r = passkey(method, tok, ids, context=args.passkey_context, trials=args.passkey_trials)
         results[key] = {"accuracy": r.accuracy, "mean_logprob": r.mean_logprob, "seconds": r.seconds}
         save()

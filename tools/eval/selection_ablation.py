@@ -32,31 +32,23 @@ from tieredkv.runtime.tiered.config import TieredKVConfig
 
 
 class OracleSelectionCache(TieredKVCache):
-    """Relevance = the true attention share of each page for the current query."""
+    """Decode steps rank pages by the true attention share of each page for the current query
+    (max over heads), read from every page wherever it lives, uncounted: the oracle is not a
+    real transfer."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        outer = self
-
-        def relevance(layer, q, kmin, kmax, page_tokens, candidates):
-            mgr, ctx = outer.mgr, outer._step_ctx[0]
-            recs = ctx["recs"]
-            res = mgr.dev_slot[layer, recs] >= 0
-            k = torch.empty((len(recs), *mgr.device.page_shape), dtype=mgr.device.dtype)
-            v = torch.empty_like(k)
-            k[res] = mgr.device.k[layer, mgr.dev_slot[layer, recs[res]]]
-            v[res] = mgr.device.v[layer, mgr.dev_slot[layer, recs[res]]]
-            if (~res).any():  # peek without counting: the oracle is not a real transfer
-                k[~res], v[~res] = mgr._source_read(torch.full_like(recs[~res], layer), recs[~res],
-                                                    count=torch.zeros(int((~res).sum()), dtype=torch.bool))
-            n = len(recs)
-            _, _, pp = tiered_attention(q.view(1, q.shape[1], 1, -1), k, v, torch.arange(n).unsqueeze(0),
-                                        torch.ones(1, n, dtype=torch.bool), ctx["index"].unsqueeze(0),
-                                        ctx["seq_len"], ctx["seq_len"] - 1, with_lse=False)
-            rel = pp.amax(1)[0, 0] * candidates[0]
-            return (rel / rel.max().clamp(min=1e-30)).unsqueeze(0)
-
-        self.scorer.relevance = relevance
+    def _score(self, layer, seq, q, *, decode):
+        rel, score, saliency = super()._score(layer, seq, q, decode=decode)
+        if not decode:
+            return rel, score, saliency
+        n = len(seq.recs)
+        k, v = self.mgr.read_pages(layer, seq.recs, q.dtype)
+        _, _, probs = tiered_attention(q.unsqueeze(2), k, v, torch.arange(n).unsqueeze(0),
+                                       torch.ones(1, n, dtype=torch.bool), seq.index.unsqueeze(0),
+                                       torch.tensor([seq.seq_len]), torch.tensor([seq.seq_len - 1]), with_lse=False)
+        candidates = ~seq.t0 if not seq.t0.all() else seq.t0
+        oracle = probs.amax(1)[0, 0] * candidates
+        oracle = oracle / oracle.max().clamp(min=1e-30)
+        return oracle, oracle, saliency
 
 
 VARIANTS = {

@@ -23,9 +23,6 @@ from kvpress_compare import Row
 
 from tieredkv.runtime.eval.harness import tiered_method
 from tieredkv.runtime.tiered.config import TieredKVConfig
-from tieredkv.runtime.tiered.store import WarmPool
-
-WarmPool.memoize_decoded = True  # CPU evaluation aid: each warm page decoded once; identical numerics
 
 MASKED_POLICIES = ("lru", "lfu", "lfu-importance", "h2o", "streaming")
 #: (codec, warm_fraction) of the warm rows; the 0.75 rows are named without the fraction
@@ -35,7 +32,8 @@ WARM_ROWS = (("int4", 0.75), ("fp8-r2", 0.75), ("int6-r2", 0.75), ("int4-g16", 0
 def _row(name: str, **cfg) -> Row:
     def factory(model, budget: float):
         config = TieredKVConfig(device_budget=f"{100 * budget:g}%", **cfg)
-        return tiered_method(model, config, name=name)
+        # keep_decoded_warm: the CPU evaluation aid, each warm page decoded once; identical numerics
+        return tiered_method(model, config, name=name, keep_decoded_warm=True)
 
     return Row(name, factory, backend="tieredkv")
 

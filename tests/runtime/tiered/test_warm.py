@@ -18,10 +18,10 @@ MODEL = tiny_model(seed=3)
 L = MODEL.config.num_layers
 
 
-def warm_cache(codec="int4", budget="30%", fraction=0.5, full_tokens=240, **kw):
+def warm_cache(codec="int4", budget="30%", fraction=0.5, full_tokens=240, keep_decoded_warm=False, **kw):
     cfg = TieredKVConfig(policy="lfu-importance", device_budget=budget, warm_codec=codec, warm_fraction=fraction,
                          **SMALL, **kw)
-    return TieredKVCache(MODEL.kv_spec(), cfg, full_tokens=full_tokens)
+    return TieredKVCache(MODEL.kv_spec(), cfg, full_tokens=full_tokens, keep_decoded_warm=keep_decoded_warm)
 
 
 def decode_after_prefill(cache, sid, n_prompt, n_decode):
@@ -33,8 +33,7 @@ def decode_after_prefill(cache, sid, n_prompt, n_decode):
 
 
 def host_copy(mgr, layer, rec):
-    lr = torch.tensor([layer]), torch.tensor([rec])
-    k, v = mgr._source_read(*lr, count=torch.zeros(1, dtype=torch.bool))
+    k, v = mgr.read_pages(torch.tensor([layer]), torch.tensor([rec]), torch.float32, exact=True)
     return k[0], v[0]
 
 
@@ -65,9 +64,9 @@ def test_warm_pages_decode_like_the_codec_and_stay_in_budget(codec):
     # every warm page: what attention reads == the codec reference applied to the exact host copy
     shape = mgr.warm.shape
     for layer in (0, L - 1):
-        recs = (mgr.warm_slot[layer] >= 0).nonzero().flatten()
+        recs = (mgr.table.warm_slot[layer] >= 0).nonzero().flatten()
         assert len(recs) > 0
-        k, v = mgr.read_warm(layer, recs)
+        k, v = mgr.read_pages(layer, recs, torch.float32)
         exact = [host_copy(mgr, layer, int(r)) for r in recs]
         ek, ev = torch.stack([e[0] for e in exact]), torch.stack([e[1] for e in exact])
         rk, rv = decode_pages(encode_pages(ek, ev, CODECS[codec]), CODECS[codec], shape)
@@ -81,15 +80,16 @@ def test_hot_warm_page_is_refetched_exact():
     prefill(MODEL, cache, sid, torch.arange(200) % 500, chunk_size=32)
     mgr = cache.mgr
     layer = 1
-    rec = int((mgr.warm_slot[layer] >= 0).nonzero().flatten()[0])
+    table = mgr.table
+    rec = int((table.warm_slot[layer] >= 0).nonzero().flatten()[0])
     exact_k, exact_v = host_copy(mgr, layer, rec)
-    mgr.win_access[layer, rec] = cache.config.promote_accesses
-    mgr.importance[layer, rec] = 0.99
+    table.win_access[layer, rec] = cache.config.migration.promote_accesses  # it turned hot
+    table.importance[layer, rec] = 0.99
     h2d = mgr.metrics.bytes_h2d
     mgr._promote_warm()
-    assert mgr.warm_slot[layer, rec] == -1 and mgr.dev_slot[layer, rec] >= 0
+    assert table.warm_slot[layer, rec] == -1 and table.device_slot[layer, rec] >= 0
     assert mgr.metrics.warm_promotions >= 1 and mgr.metrics.bytes_h2d > h2d
-    k, v = mgr.device.read(torch.tensor([layer]), mgr.dev_slot[layer, rec].view(1))
+    k, v = mgr.device.read(torch.tensor([layer]), table.device_slot[layer, rec].view(1))
     assert torch.equal(k[0], exact_k) and torch.equal(v[0], exact_v)
     mgr.check_invariants()
     cache.free_sequence(sid)
@@ -123,15 +123,20 @@ def test_float16_storage_halves_the_bytes_and_stays_close():
     assert 0 < (a - b).abs().max().item() < 5e-2
 
 
-def test_memoized_decoding_changes_nothing(monkeypatch):
-    """The CPU evaluation aid (WarmPool.memoize_decoded) gives bit-identical logits."""
-    from tieredkv.runtime.tiered.store import WarmPool
-
+def test_keeping_decoded_warm_pages_changes_nothing():
+    """The CPU evaluation aid (keep_decoded_warm) gives bit-identical logits, also across a
+    checkpoint and rollback (the warm pool restores its decoded copies with its bytes)."""
     tokens = torch.randint(0, 512, (160,), generator=torch.Generator().manual_seed(5))
     outs = []
-    for memo in (False, True):
-        monkeypatch.setattr(WarmPool, "memoize_decoded", memo)
-        cache = warm_cache("int4", budget="60%", attention_budget=10**6, full_tokens=160)
-        outs.append(prefill(MODEL, cache, cache.add_sequence(), tokens, chunk_size=24, all_logits=True))
+    for keep in (False, True):
+        cache = warm_cache("int4", budget="60%", attention_budget=10**6, full_tokens=200, keep_decoded_warm=keep)
+        assert (cache.mgr.warm.decoded is not None) == keep
+        sid = cache.add_sequence()
+        logits = [prefill(MODEL, cache, sid, tokens[:120], chunk_size=24, all_logits=True)]
+        state = cache.checkpoint(sid)
+        prefill(MODEL, cache, sid, tokens[120:150], start_pos=120, chunk_size=1)
+        cache.rollback(sid, state)
+        logits.append(prefill(MODEL, cache, sid, tokens[120:], start_pos=120, chunk_size=1, all_logits=True))
         assert cache.metrics.warm_reads > 0
+        outs.append(torch.cat(logits))
     assert torch.equal(outs[0], outs[1])

@@ -1,0 +1,114 @@
+"""TieredKVConfig: sections and flat names, budget parsing and resolution, one typed error per
+bad value naming the setting, TOML / YAML files with tables or flat keys."""
+
+import pytest
+
+from tieredkv.errors import ConfigError, DataFileError
+from tieredkv.runtime.tiered.config import (
+    FLAT_SETTINGS,
+    Budget,
+    BudgetConfig,
+    SelectionConfig,
+    TieredKVConfig,
+    WarmConfig,
+    resolve_budgets,
+)
+
+SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2)
+
+
+@pytest.mark.parametrize("text,kind,value", [("25%", "percent", 0.25), ("64MiB", "bytes", 64 * 2**20),
+                                              ("1.5GB", "bytes", 1.5e9), ("2048", "tokens", 2048),
+                                              (2048, "tokens", 2048), ("512tok", "tokens", 512)])
+def test_budget_parsing(text, kind, value):
+    b = Budget.parse(text)
+    assert (b.kind, b.value) == (kind, value)
+
+
+@pytest.mark.parametrize("bad", ["-5%", "abc", "150%", "0", "12 parsecs"])
+def test_bad_budgets(bad):
+    with pytest.raises(ConfigError, match=r"device_budget \(budgets.device\)"):
+        TieredKVConfig(device_budget=bad)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(policy="fifo"), r"policy \(migration.policy\): unknown value 'fifo'; expected one of \['belady'"),
+    (dict(mode="lazy"), r"mode \(selection.mode\): unknown value 'lazy'; expected one of \['exact', 'masked'\]"),
+    (dict(selection_aggregate="mean"), r"selection_aggregate \(selection.aggregate\): unknown value 'mean'"),
+    (dict(promote_score=1.5), r"promote_score \(migration.promote_score\): must be in \[0, 1\]"),
+    (dict(demote_score=0.8, promote_score=0.7), "demote_score .* must not exceed promote_score"),
+    (dict(score_weights=(0.5, 0.5, 0.5)), r"score_weights .*summing to 1"),
+    (dict(page_size=0), "page_size: must be an integer >= 1"),
+    (dict(recent_tokens=-1), r"recent_tokens \(window.recent_tokens\): must be an integer >= 0"),
+    (dict(warm_codec="zstd"), r"warm_codec \(warm.codec\): unknown value 'zstd'"),
+    (dict(warm_codec=""), r"warm_codec \(warm.codec\): unknown value ''"),
+    (dict(warm_fraction=0.0), r"warm_fraction \(warm.fraction\): must be in \(0, 1\]"),
+    (dict(kv_dtype="int8"), "kv_dtype: unknown value 'int8'"),
+    (dict(score_weights=0.5), "score_weights .*must be a list of 3"),
+    (dict(selection_weights=(1.0, 0.0)), r"selection_weights \(selection.weights\): must be a list of 3"),
+    (dict(policy=["lru"]), "policy .*must be a string"),
+    (dict(warm_fraction="half"), "warm_fraction .*must be a number"),
+    (dict(disk_path=3), "disk_path .*must be a string"),
+    (dict(staging_pages=True), "staging_pages .*must be an integer"),
+    (dict(budget=3), r"unknown settings \['budget'\]"),
+    (dict(budgets={"devise": "25%"}), r"budgets: unknown keys \['devise'\]"),
+    (dict(warm=3), "warm: expected a WarmConfig or a table of settings"),
+])
+def test_bad_config_values(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        TieredKVConfig(**bad)
+
+
+def test_sections_and_flat_names_are_one_configuration():
+    flat = TieredKVConfig(device_budget="25%", warm_codec="default", mode="masked", sink_tokens=8)
+    nested = TieredKVConfig(budgets=BudgetConfig(device="25%"), warm=WarmConfig(codec="int4"),
+                            selection=SelectionConfig(mode="masked"), window={"sink_tokens": 8})
+    assert flat == nested and flat.warm.codec == "int4" and flat.window.recent_tokens == 64
+    assert flat.replace(policy="lru").migration.policy == "lru" and flat.migration.policy == "lfu-importance"
+    assert flat.replace(budgets=BudgetConfig(device="10%")).budgets.device == "10%"
+    settings = flat.flat()
+    assert set(settings) == set(FLAT_SETTINGS) | {"page_size", "kv_dtype", "scorer_weights"}
+    assert TieredKVConfig(**settings) == flat  # the flat names round-trip
+    with pytest.raises(ConfigError, match="warm_fraction"):  # sections validate themselves
+        WarmConfig(fraction=2.0)
+
+
+def test_host_overflow_without_disk_is_a_typed_error():
+    with pytest.raises(ConfigError, match="disk_path"):
+        resolve_budgets(TieredKVConfig(device_budget=96, host_budget=64, **SMALL), num_layers=2,
+                        token_bytes_per_layer=64, full_tokens=400)
+
+
+def test_config_files(tmp_path):
+    toml = tmp_path / "kv.toml"
+    toml.write_text('[tiered_kv]\ndevice_budget = "25%"\npolicy = "h2o"\nscore_weights = [0.5, 0.25, 0.25]\n')
+    cfg = TieredKVConfig.from_file(toml)
+    assert cfg.migration.policy == "h2o" and cfg.migration.score_weights == (0.5, 0.25, 0.25)
+    toml.write_text('[tiered_kv]\npage_size = 8\n[tiered_kv.budgets]\ndevice = "25%"\n[tiered_kv.warm]\n'
+                    'codec = "default"\nfraction = 0.5\n[tiered_kv.selection]\nmode = "masked"\n')
+    cfg = TieredKVConfig.from_file(toml)  # sections as tables
+    assert (cfg.page_size, cfg.budgets.device, cfg.warm.codec, cfg.warm.fraction, cfg.selection.mode) == \
+        (8, "25%", "int4", 0.5, "masked")
+    toml.write_text('warm_codec = "default"\n')
+    assert TieredKVConfig.from_file(toml).warm.codec == "int4"  # codec.DEFAULT_CODEC
+    yml = tmp_path / "kv.yaml"
+    yml.write_text("mode: masked\nattention_budget: 1024\nmigration:\n  window_steps: 8\n")
+    cfg = TieredKVConfig.from_file(yml)
+    assert cfg.selection.mode == "masked" and cfg.budgets.attention == 1024 and cfg.migration.window_steps == 8
+    yml.write_text("mode: masked\nbudget: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown settings \['budget'\]"):
+        TieredKVConfig.from_file(yml)
+    yml.write_text("policy: nope\n")
+    with pytest.raises(ConfigError, match=str(yml)):
+        TieredKVConfig.from_file(yml)
+    yml.write_text("budgets: 3\n")
+    with pytest.raises(ConfigError, match="budgets must be a table"):
+        TieredKVConfig.from_file(yml)
+    with pytest.raises(DataFileError):
+        TieredKVConfig.from_file(tmp_path / "missing.toml")
+    toml.write_text("tiered_kv = 3\n")
+    with pytest.raises(ConfigError, match="tiered_kv must be a table"):
+        TieredKVConfig.from_file(toml)
+    toml.write_text('policy = ["lru"]\n')
+    with pytest.raises(ConfigError, match=f"{toml}: policy .*must be a string"):
+        TieredKVConfig.from_file(toml)
