@@ -222,7 +222,7 @@ def build(args: argparse.Namespace) -> Path:
             onnx.checker.check_model(str(tmp / STEP_GRAPH), full_check=True)
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
             raise VerificationError(f"{STEP_GRAPH}: the ONNX checker rejects the graph: {exc}") from None
-        log(f"[5/6] verifying in ONNX Runtime against the PyTorch reference: "
+        log("[5/6] verifying in ONNX Runtime against the PyTorch reference: "
             + "; ".join(f"batch {len(lens)} x {t} new token(s), tokens {list(lens)}" for lens, t in VERIFY_STEPS)
             + f" (K/V of random prompts on shuffled pages{', random residency, T0 and budgets' if options.tiered_kv else ''})")
         errors = verify(model, tmp / STEP_GRAPH, options=options, tolerance=args.tolerance)

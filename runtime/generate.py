@@ -136,17 +136,17 @@ def generate(model: Llama, cache: KVCache, prompts: Sequence[Sequence[int]], par
             active.append(seq)
 
     for seq in seqs:
-        t0 = time.perf_counter()
+        t_start = time.perf_counter()
         seq.seq_id = cache.add_sequence()
         logits = prefill(model, cache, seq.seq_id, torch.tensor(seq.out.prompt_token_ids), chunk_size=prefill_chunk)
-        stats.prefill_seconds += time.perf_counter() - t0
+        stats.prefill_seconds += time.perf_counter() - t_start
         stats.prompt_tokens += len(seq.out.prompt_token_ids)
         stats.kv_bytes_peak = max(stats.kv_bytes_peak, cache.kv_bytes())
         emit(seq, sample_token(logits, params, seq.generator))
 
     while active:
         batch, active = active, []
-        t0 = time.perf_counter()
+        t_start = time.perf_counter()
         tokens = torch.tensor([s.out.token_ids[-1] for s in batch])
         positions = torch.tensor([s.position for s in batch])
         logits = decode_one_token(model, cache, [s.seq_id for s in batch], tokens, positions)
@@ -154,7 +154,7 @@ def generate(model: Llama, cache: KVCache, prompts: Sequence[Sequence[int]], par
         for row, seq in enumerate(batch):
             seq.position += 1
             emit(seq, sample_token(logits[row], params, seq.generator))
-        stats.decode_seconds += time.perf_counter() - t0
+        stats.decode_seconds += time.perf_counter() - t_start
         stats.decode_steps += 1
         stats.decode_tokens += len(batch)
     stats.generated_tokens += sum(len(s.out.token_ids) for s in seqs)

@@ -210,8 +210,3 @@ class PagedKVCache(KVCache):
 
     def reserved_bytes(self) -> int:
         return sum(p.capacity for p in self.pools) * self.pools[0].page_bytes
-
-    def used_token_bytes(self) -> int:
-        """Bytes of the token slots actually filled (excludes the unfilled tail of last pages)."""
-        per_tok = self.spec.token_bytes_per_layer
-        return sum(sum(lens) for lens in self._len.values()) * per_tok

@@ -47,9 +47,9 @@ def _load_model(args: argparse.Namespace):
 
         if args.model is not None or args.dtype != "float32":
             raise ConfigError("--engine runs the engine's own float32 weights; drop --model / --dtype")
-        t0 = time.perf_counter()
+        t_start = time.perf_counter()
         loaded = load_engine(args.engine, args.backend)
-        _log(f"loaded engine {args.engine} ({loaded.format}, {loaded.config.name}) in {time.perf_counter() - t0:.1f}s")
+        _log(f"loaded engine {args.engine} ({loaded.format}, {loaded.config.name}) in {time.perf_counter() - t_start:.1f}s")
         return loaded
     from tqdm.auto import tqdm
 
@@ -58,10 +58,10 @@ def _load_model(args: argparse.Namespace):
     from tieredkv.runtime.llm import parse_dtype
 
     path = resolve_model(args.model, log=_log)
-    t0 = time.perf_counter()
+    t_start = time.perf_counter()
     loaded = load_checkpoint(path, dtype=parse_dtype(args.dtype),
                              progress=lambda it: tqdm(it, desc="loading weights", unit="tensor", leave=False))
-    _log(f"loaded {loaded.config.name} from {path} ({loaded.format}) in {time.perf_counter() - t0:.1f}s")
+    _log(f"loaded {loaded.config.name} from {path} ({loaded.format}) in {time.perf_counter() - t_start:.1f}s")
     return loaded
 
 

@@ -81,12 +81,12 @@ def main() -> int:
             pages = lambda t: t.view(t.shape[0], n // PAGE, PAGE, -1).permute(1, 0, 2, 3)  # noqa: E731
             kh, vh = torch.empty_like(k), torch.empty_like(v)
             for i, (kp, vp) in enumerate(zip(pages(k), pages(v))):
-                t0 = time.perf_counter()
+                t_start = time.perf_counter()
                 ek, ev = encode(kp, spec, role="k"), encode(vp, spec, role="v")
                 t1 = time.perf_counter()
                 kh[:, i * PAGE : (i + 1) * PAGE] = decode(ek, spec, kp.shape, role="k")
                 vh[:, i * PAGE : (i + 1) * PAGE] = decode(ev, spec, vp.shape, role="v")
-                enc_s += t1 - t0
+                enc_s += t1 - t_start
                 dec_s += time.perf_counter() - t1
             err_k += float((kh - k).pow(2).sum())
             norm_k += float(k.pow(2).sum())

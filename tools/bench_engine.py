@@ -65,10 +65,10 @@ def main() -> int:
         argv = ["--tiered-kv", "--model", str(source), "--output", str(args.engine_dir), "--force"]
         if args.warm_codec:
             argv += ["--warm-codec", args.warm_codec]
-        t0 = time.perf_counter()
+        t_start = time.perf_counter()
         if build_engine.main(argv) != 0:
             return 1
-        log(f"build wall time {time.perf_counter() - t0:.1f} s")
+        log(f"build wall time {time.perf_counter() - t_start:.1f} s")
     cfg = json.loads((args.engine_dir / "config.json").read_text())
     size = sum(f.stat().st_size for f in args.engine_dir.rglob("*") if f.is_file())
     build = {"seconds": cfg["build"]["seconds"], "bytes": size,

@@ -122,7 +122,6 @@ def bench_shape(lib, model: str, cfg, context: int, batch: int, repeats: int, co
     ms = _time(lambda: cuda_ops.kv_append(k_pool, v_pool, **new, out=copies, lib=lib), repeats)
     timings.append(_timing("KVAppend (copy + scatter)", model, shape, ms, 2 * 2 * k_pool.numel() * 4 + new_bytes,
                            pool_mib=round(2 * k_pool.numel() * 4 / 2**20, 1)))
-    del copies, kmin, kmax
 
     n = B * M
     k, v = k_pool[:n], v_pool[:n]
@@ -141,7 +140,6 @@ def bench_shape(lib, model: str, cfg, context: int, batch: int, repeats: int, co
                                                           lib=lib), repeats)
         timings.append(_timing(f"TieredAttention warm [{name}]", model, shape, ms, data.numel(),
                                bits_per_value=round(8 * desc.page_bytes / (2 * KVH * PAGE * D), 2)))
-        del data, dec
     torch.cuda.empty_cache()
     return timings
 

@@ -69,7 +69,7 @@ def cmd_hitrate(args: argparse.Namespace) -> int:
         for w in range(args.windows):
             window = ids[w * W : (w + 1) * W]
             rec = TraceRecorder()
-            t0 = time.perf_counter()
+            t_start = time.perf_counter()
             method = CacheMethod(model, lambda total, rec=rec: TieredKVCache(spec, cfg, full_tokens=total, recorder=rec),
                                  teacher_forcing_chunk=1)
             session = method.open(window[:ctx], total_tokens=W)
@@ -78,7 +78,7 @@ def cmd_hitrate(args: argparse.Namespace) -> int:
             trace = rec.trace
             trace.save(out / f"trace_b{budget:g}_r{ratio:g}_w{w}.pt")
             print(f"budget {budget:g} attention ratio {ratio:g} window {w}: traced {len(trace.steps)} steps in "
-                  f"{time.perf_counter() - t0:.0f}s", file=sys.stderr)
+                  f"{time.perf_counter() - t_start:.0f}s", file=sys.stderr)
             no_migration = dict(demote_score=0.0, demote_idle_windows=10**6)
             for name in sorted(POLICIES):
                 if name == "full":

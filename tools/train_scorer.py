@@ -193,13 +193,13 @@ def main() -> int:
     ids = loaded.tokenizer.encode(pg_essays_text(), add_bos=False)
     stride = len(ids) // args.segments
     train_ex, test_ex = [], []
-    t0 = time.perf_counter()
+    t_start = time.perf_counter()
     with torch.no_grad():
         for i in tqdm(range(args.segments), desc="tracing segments"):
             seg = ids[i * stride : i * stride + args.segment_len]
             ex = segment_examples(model, seg, queries=args.queries, horizon=args.horizon, gen=gen)
             (train_ex if i % 2 == 0 else test_ex).extend(ex)
-    trace_s = time.perf_counter() - t0
+    trace_s = time.perf_counter() - t_start
     cfg = model.config
     scorer = ImportanceScorer(cfg.num_layers, cfg.head_dim)
     untrained = ImportanceScorer(cfg.num_layers, cfg.head_dim)

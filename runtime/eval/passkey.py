@@ -130,7 +130,7 @@ def run_trial(method: EvalMethod, tokenizer: Tokenizer, prompt: PasskeyPrompt, *
 
 def passkey(method: EvalMethod, tokenizer: Tokenizer, haystack: Sequence[int], *, context: int, trials: int,
             seed: int = 0, progress: bool = True) -> PasskeyResult:
-    t0 = time.perf_counter()
+    t_start = time.perf_counter()
     results = []
     bar = tqdm(trial_prompts(tokenizer, haystack, context=context, trials=trials, seed=seed), total=trials,
                desc=f"passkey[{method.name}]@{context}", unit="trial", disable=not progress, leave=False)
@@ -141,5 +141,5 @@ def passkey(method: EvalMethod, tokenizer: Tokenizer, haystack: Sequence[int], *
         method=method.describe(), context=context, trials=trials,
         accuracy=sum(r.correct for r in results) / len(results),
         mean_logprob=sum(r.logprob for r in results) / len(results),
-        seconds=time.perf_counter() - t0, results=results, stats=method.stats(),
+        seconds=time.perf_counter() - t_start, results=results, stats=method.stats(),
     )

@@ -60,7 +60,7 @@ def perplexity(method: EvalMethod, ids: Sequence[int], *, window: int, max_windo
     windows = split_windows(ids, window, max_windows)
     ctx = context_length(window, context_fraction)
     total_nll, total_tokens, per_window = 0.0, 0, []
-    t0 = time.perf_counter()
+    t_start = time.perf_counter()
     bar = tqdm(windows, desc=f"perplexity[{method.name}]", unit="window", disable=not progress, leave=False)
     for w in bar:
         session = method.open(w[:ctx], total_tokens=len(w))
@@ -76,6 +76,6 @@ def perplexity(method: EvalMethod, ids: Sequence[int], *, window: int, max_windo
     mean = total_nll / total_tokens
     return PerplexityResult(
         method=method.describe(), window=window, context_fraction=context_fraction, windows=len(windows),
-        tokens_scored=total_tokens, nll=mean, perplexity=math.exp(mean), seconds=time.perf_counter() - t0,
+        tokens_scored=total_tokens, nll=mean, perplexity=math.exp(mean), seconds=time.perf_counter() - t_start,
         window_ppl=per_window, stats=method.stats(),
     )

@@ -2,7 +2,7 @@
 
 * device and host tiers: torch tensors k, v [L, C, KVH, P, D] (the host pool is pinned
   when CUDA is present). Both live in host memory today: the device tier is a budget
-  (GPU-resident pools are the GPU path's work, issue #18);
+  (GPU-resident pools do not exist yet);
 * disk tier (T4): a numpy memory-mapped file laid out slot-major [C, L, 2, KVH, P, D],
   so that growing it appends to the file;
 * the warm sub-tier of T2: one uint8 row per page, encoded with a KV codec.

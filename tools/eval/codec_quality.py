@@ -1,5 +1,5 @@
 """Quality cost of each KV page codec on real SmolLM2, through the tiered cache's warm
-sub-tier (issue #4): every page outside T0's reservation (4 sinks + the 64-token recent
+sub-tier: every page outside T0's reservation (4 sinks + the 64-token recent
 window + the page being written) is stored encoded and decoded on the attention path;
 attention covers every page, so the only difference from the reference is the codec.
 
@@ -106,27 +106,27 @@ def main() -> int:
         w = list(w)
         if f"{REFERENCE}/w{w_i}" in results and all(f"{c}/w{w_i}" in results for c in args.codecs):
             continue  # everything of this window is measured
-        t0 = time.perf_counter()
+        t_start = time.perf_counter()
         ref, _ = window_logprobs(model, config_for(None, len(w)), w, ctx, teacher_chunk=256)
         targets = torch.tensor(w[ctx:])
         rows_idx = torch.arange(len(targets))
         ref_nll = -float(ref[rows_idx, targets].sum())
         results.setdefault(f"{REFERENCE}/w{w_i}", {"codec": REFERENCE, "window": w_i, "nll_sum": ref_nll,
-                                                    "tokens": len(targets), "seconds": time.perf_counter() - t0})
+                                                    "tokens": len(targets), "seconds": time.perf_counter() - t_start})
         ref_p = ref.exp()
         ref_top = ref.argmax(-1)
         for name in args.codecs:
             key = f"{name}/w{w_i}"
             if key in results:
                 continue
-            t0 = time.perf_counter()
+            t_start = time.perf_counter()
             lp, stats = window_logprobs(model, config_for(name, len(w)), w, ctx, teacher_chunk=1)
             kl = (ref_p * (ref - lp)).sum(-1)
             results[key] = {"codec": name, "window": w_i, "nll_sum": -float(lp[rows_idx, targets].sum()),
                             "tokens": len(targets), "kl_sum": float(kl.sum()),
                             "top1_changed": int((lp.argmax(-1) != ref_top).sum()),
                             "warm_pages_end": stats["pages_per_tier"]["T2w"], "warm_reads": stats["warm_reads"],
-                            "seconds": time.perf_counter() - t0}
+                            "seconds": time.perf_counter() - t_start}
             log(f"window {w_i} {name}: ppl {math.exp(results[key]['nll_sum'] / len(targets)):.4f} "
                 f"(ref {math.exp(ref_nll / len(targets)):.4f}), KL {float(kl.mean()):.5f}")
             save()

@@ -266,10 +266,10 @@ def run_jobs(jobs: Iterable[Job], model: Llama, store: dict[str, Any], store_pat
         if done is not None and done.get("params") == params[job.metric]:
             log(f"skip {key} (done {done.get('finished')})")
             continue
-        t0 = time.perf_counter()
+        t_start = time.perf_counter()
         method = job.row.factory(model, job.budget)
         res = compute[job.metric](method)
-        elapsed = time.perf_counter() - t0
+        elapsed = time.perf_counter() - t_start
         store["results"][key] = {
             "row": job.row.name, "budget": job.budget, "metric": job.metric, "backend": job.row.backend,
             "reference": job.row.reference, "params": params[job.metric], "seconds_total": elapsed,

@@ -57,12 +57,12 @@ def main() -> int:
     ids = tok.encode(pg_essays_text(), add_bos=False)
     prompt = next(itertools.islice(trial_prompts(tok, ids, context=args.context, trials=args.trials,
                                                  seed=args.seed), args.trial, None))
-    t0 = time.perf_counter()
+    t_start = time.perf_counter()
     # keep_decoded_warm as in the quality table's rows: identical numerics
     trial = run_trial(tiered_method(model, cfg, keep_decoded_warm=True), tok, prompt, context=args.context)
     print(json.dumps({"trial": args.trial, **dataclasses.asdict(trial),
                       "config": {k: v for k, v in vars(args).items() if k not in ("model", "threads")},
-                      "seconds": round(time.perf_counter() - t0, 1)}))
+                      "seconds": round(time.perf_counter() - t_start, 1)}))
     return 0
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kvpress_compare import load_store, summarize, write_plot, write_table  # noqa: E402
+from kvpress_compare import load_store, write_plot, write_table  # noqa: E402
 
 
 def merge(stores: list[dict], windows: int | None) -> tuple[dict, int]:

@@ -74,17 +74,17 @@ def main() -> int:
     spec = model.kv_spec()
     kw = dict(window=args.window, max_windows=args.windows, context_fraction=args.context_fraction)
     rows = []
-    t0 = time.perf_counter()
+    t_start = time.perf_counter()
     full = perplexity(CacheMethod(model, lambda total: PagedKVCache(spec)), ids, **kw)
-    rows.append({"selection": "full cache", "perplexity": full.perplexity, "seconds": time.perf_counter() - t0})
+    rows.append({"selection": "full cache", "perplexity": full.perplexity, "seconds": time.perf_counter() - t_start})
     methods = {name: (TieredKVCache, TieredKVConfig(device_budget=args.budget, **cfg)) for name, cfg in VARIANTS.items()}
     methods["oracle (true attention, max over heads)"] = (OracleSelectionCache, TieredKVConfig(device_budget=args.budget))
     for name, (cls, cfg) in methods.items():
-        t0 = time.perf_counter()
+        t_start = time.perf_counter()
         m = CacheMethod(model, lambda total, cls=cls, cfg=cfg: cls(spec, cfg, full_tokens=total), name=name,
                         teacher_forcing_chunk=1)
         r = perplexity(m, ids, **kw)
-        rows.append({"selection": name, "perplexity": r.perplexity, "seconds": time.perf_counter() - t0,
+        rows.append({"selection": name, "perplexity": r.perplexity, "seconds": time.perf_counter() - t_start,
                      "bytes_h2d": r.stats.get("bytes_h2d")})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     cmd = " ".join(["python"] + sys.argv)

@@ -43,7 +43,7 @@ def rows() -> list[Row]:
     ``TIEREDKV_ROWS_FILTER`` (comma-separated names) keeps a subset."""
     out = [_row("tieredkv-exact", mode="exact", policy="lfu-importance")]
     out += [_row(f"tieredkv-masked-{p}", mode="masked", policy=p) for p in MASKED_POLICIES]
-    # issue #4: the same device bytes with a warm (compressed) share: more pages resident and attended.
+    # the same device bytes with a warm (compressed) share: more pages resident and attended.
     # Pages stored in float16 (the deployment dtype; the budget is a fraction of the float16 cache)
     out += [_row(f"tieredkv-exact-warm-{c}" + ("" if f == 0.75 else f"-f{f:g}"), mode="exact",
                  policy="lfu-importance", kv_dtype="float16", warm_codec=c, warm_fraction=f) for c, f in WARM_ROWS]

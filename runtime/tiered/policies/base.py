@@ -41,9 +41,6 @@ class ReplacementPolicy(abc.ABC):
     #: needs future knowledge (next_use) from a recorded trace
     needs_trace: bool = False
 
-    def __init__(self, **options) -> None:
-        self.options = options
-
     @abc.abstractmethod
     def priority(self, stats: PageStats) -> torch.Tensor:
         """[L, R] float: higher = keep on the device."""

@@ -8,8 +8,7 @@ class LFUImportancePolicy(ReplacementPolicy):
 
     name = "lfu-importance"
 
-    def __init__(self, weights: tuple[float, float] = (0.6, 0.4), **options) -> None:
-        super().__init__(**options)
+    def __init__(self, weights: tuple[float, float] = (0.6, 0.4)) -> None:
         self.w_freq, self.w_imp = weights
 
     def priority(self, stats: PageStats) -> torch.Tensor:

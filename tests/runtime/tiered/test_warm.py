@@ -1,4 +1,4 @@
-"""The warm sub-tier of T2 (issue #4): cold pages compressed with a KV codec inside the
+"""The warm sub-tier of T2: cold pages compressed with a KV codec inside the
 device budget — more pages resident in the same bytes, decoded on the attention path
 exactly as the codec reference decodes them, re-fetched exact from the host when they
 turn hot, every byte accounted."""
