@@ -24,6 +24,7 @@ from csrc_build import ROOT, build_plugins, load_kernels, needs_nvcc
 
 from tieredkv.errors import KernelLibraryError, TieredKVError
 from tieredkv.plugins import codec, cuda_ops
+from tieredkv.plugins.inputs import importance_score_inputs, kv_append_inputs, tiered_attention_inputs
 
 MISSING = Path("/nonexistent/libtieredkv_kernels.so")  # reaching the library raises KernelLibraryError
 
@@ -38,11 +39,12 @@ def _desc(kvh: int, p: int, d: int, page_bytes: int) -> cuda_ops.CodecDesc:
 B, H, KVH, T, D, C, P, M, N, NB, W, BYTES = 2, 4, 2, 1, 8, 3, 4, 2, 3, 4, 2, 64
 
 
+def _gen() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
 def _attention() -> dict:
-    return dict(q=torch.randn(B, H, T, D), k_pool=torch.randn(C, KVH, P, D), v_pool=torch.randn(C, KVH, P, D),
-                page_table=torch.zeros(B, M, dtype=torch.int64), page_mask=torch.ones(B, M, dtype=torch.bool),
-                page_index=torch.arange(M).repeat(B, 1), seq_len=torch.full((B,), M * P),
-                past=torch.zeros(B, dtype=torch.int64))
+    return tiered_attention_inputs(_gen(), B=B, H=H, KVH=KVH, T=T, D=D, P=P, M=M, C=C)
 
 
 def _warm() -> dict:
@@ -51,16 +53,13 @@ def _warm() -> dict:
 
 
 def _kv_append() -> dict:
-    return dict(k_pool=torch.randn(C, KVH, P, D), v_pool=torch.randn(C, KVH, P, D), k_new=torch.randn(N, KVH, D),
-                v_new=torch.randn(N, KVH, D), slot=torch.zeros(N, dtype=torch.int64),
-                offset=torch.arange(N, dtype=torch.int64))
+    return kv_append_inputs(_gen(), C=C, KVH=KVH, P=P, D=D, N=N)
 
 
 def _importance() -> dict:
-    return dict(q=torch.randn(B, H, D), kmin=torch.randn(B, M, KVH, D), kmax=torch.randn(B, M, KVH, D),
-                page_tokens=torch.full((B, M), P), distance=torch.zeros(B, M, dtype=torch.int64),
-                saliency=torch.rand(B, M), page_mask=torch.ones(B, M, dtype=torch.bool),
-                position_table=torch.rand(NB))
+    inputs = importance_score_inputs(_gen(), B=B, H=H, KVH=KVH, D=D, M=M, NB=NB, P=P)
+    del inputs["weights"]  # an argument of its own (Op.extra)
+    return inputs
 
 
 def _pages() -> dict:
