@@ -433,13 +433,13 @@ def random_step_inputs(model: Llama, *, page_size: int, seq_lens: list[int], new
             keep[np.isin(order[b], pos[b] // P)] = True  # pages receiving new tokens
             in_pool[layer, b, :k] = keep
             write_slot[layer, b] = own[pos[b] // P]
-    feeds = {"input_ids": rng.integers(0, c.vocab_size, (batch, new_tokens)).astype(np.int64), "positions": pos,
-             "seq_len": seq_len, "page_index": index, "page_table": table, "page_mask": in_pool,
-             "write_slot": write_slot, "write_offset": pos % P}
     shape = (capacity, c.num_kv_heads, P, c.head_dim)
-    for layer in range(L):
-        feeds[f"k_pool_{layer}"] = rng.standard_normal(shape, dtype=np.float32)
-        feeds[f"v_pool_{layer}"] = rng.standard_normal(shape, dtype=np.float32)
+    feeds = StepFeeds(input_ids=rng.integers(0, c.vocab_size, (batch, new_tokens)).astype(np.int64), positions=pos,
+                      seq_len=seq_len, page_index=index, page_table=table, page_mask=in_pool, write_slot=write_slot,
+                      write_offset=pos % P, k_pool=[], v_pool=[])
+    for _ in range(L):
+        feeds.k_pool.append(rng.standard_normal(shape, dtype=np.float32))
+        feeds.v_pool.append(rng.standard_normal(shape, dtype=np.float32))
     if model_kv:
         for b, n in enumerate(seq_lens):
             if n > new_tokens:
@@ -455,51 +455,51 @@ def random_step_inputs(model: Llama, *, page_size: int, seq_lens: list[int], new
             pinned[b, :k] = (order[b] == 0) | (order[b] == k - 1)
             for layer in range(L):
                 for j in range(k):
-                    page = feeds[f"k_pool_{layer}"][table[layer, b, j], :, : tokens[b, j]]  # [KVH, n, D]
+                    page = feeds.k_pool[layer][table[layer, b, j], :, : tokens[b, j]]  # [KVH, n, D]
                     kmin[layer, b, j], kmax[layer, b, j] = page.min(1), page.max(1)
-        feeds.update(page_pinned=pinned, page_tokens=tokens,
-                     attend_pages=np.array([max(1, round(attend_fraction * k)) for k in n_pages], np.int64),
-                     key_min=kmin, key_max=kmax,
-                     page_saliency=rng.random((L, batch, m)).astype(np.float32),
-                     position_table=rng.random((L, 16)).astype(np.float32))
+        feeds.page_pinned, feeds.page_tokens = pinned, tokens
+        feeds.attend_pages = np.array([max(1, round(attend_fraction * k)) for k in n_pages], np.int64)
+        feeds.key_min, feeds.key_max = kmin, kmax
+        feeds.page_saliency = rng.random((L, batch, m)).astype(np.float32)
+        feeds.position_table = rng.random((L, 16)).astype(np.float32)
     if warm_codec is not None:
         _make_warm(feeds, rng, CODECS[warm_codec], pos // P, index, n_pages)
-    return feeds
+    return feeds.as_dict()
 
 
-def _make_warm(feeds: dict[str, np.ndarray], rng: np.random.Generator, spec, write_pages: np.ndarray,
+def _make_warm(feeds: StepFeeds, rng: np.random.Generator, spec, write_pages: np.ndarray,
                index: np.ndarray, n_pages: list[int]) -> None:
     """Turn about half of the in-pool pages not receiving new tokens into warm pages (see
     :func:`random_step_inputs`)."""
-    table, L = feeds["page_table"], feeds["page_table"].shape[0]
-    capacity = feeds["k_pool_0"].shape[0]
+    table, L = feeds.page_table, feeds.page_table.shape[0]
+    capacity = feeds.k_pool[0].shape[0]
     warm_row = np.full(table.shape, -1, np.int64)
+    warm_pools = []
     for layer in range(L):
-        warm = feeds["page_mask"][layer] & (rng.random(table.shape[1:]) < 0.5)
+        warm = feeds.page_mask[layer] & (rng.random(table.shape[1:]) < 0.5)
         for b, k in enumerate(n_pages):
             warm[b, k:] = False
             warm[b, np.isin(index[b], write_pages[b])] = False  # KVAppend writes those into the pool
         cols = np.argwhere(warm)
         rows = rng.permutation(len(cols) + 1)[: len(cols)]
         src = torch.from_numpy(table[layer][warm])
-        enc = encode_pages(torch.from_numpy(feeds[f"k_pool_{layer}"])[src],
-                           torch.from_numpy(feeds[f"v_pool_{layer}"])[src], spec)
-        data = np.zeros((len(cols) + 1, page_bytes(spec, *feeds["k_pool_0"].shape[1:])), np.uint8)
+        enc = encode_pages(torch.from_numpy(feeds.k_pool[layer])[src], torch.from_numpy(feeds.v_pool[layer])[src], spec)
+        data = np.zeros((len(cols) + 1, page_bytes(spec, *feeds.k_pool[0].shape[1:])), np.uint8)
         data[rows] = enc.numpy()
-        feeds[f"warm_pool_{layer}"] = data
+        warm_pools.append(data)
         warm_row[layer][warm] = rows
         table[layer][warm] = (table[layer][warm] + 1) % capacity
-    feeds["page_warm_row"] = warm_row
+    feeds.warm_pool, feeds.page_warm_row = warm_pools, warm_row
 
 
 @torch.no_grad()
-def _write_prompt_kv(model: Llama, prompt: torch.Tensor, logical_slot: np.ndarray, feeds: dict[str, np.ndarray]) -> None:
+def _write_prompt_kv(model: Llama, prompt: torch.Tensor, logical_slot: np.ndarray, feeds: StepFeeds) -> None:
     """Prefill ``prompt`` through a paged cache and copy its K/V into the pools of ``feeds``:
     logical page j of layer l lives in pool page ``logical_slot[l, j]``."""
     from tieredkv.models.llama import prefill
     from tieredkv.runtime.paged import PagedCacheConfig, PagedKVCache
 
-    page, n = feeds["k_pool_0"].shape[2], len(prompt)
+    page, n = feeds.k_pool[0].shape[2], len(prompt)
     cache = PagedKVCache(model.kv_spec(), PagedCacheConfig(page_size=page, initial_pages=-(-n // page)))
     sid = cache.add_sequence()
     prefill(model, cache, sid, prompt)
@@ -507,8 +507,8 @@ def _write_prompt_kv(model: Llama, prompt: torch.Tensor, logical_slot: np.ndarra
     for layer in range(model.config.num_layers):
         k, v, _ = cache.gather(layer, [sid])  # [1, KVH, pages * P, D]
         pool_page, offset = logical_slot[layer, pos // page], pos % page
-        feeds[f"k_pool_{layer}"][pool_page, :, offset] = k[0, :, :n].transpose(0, 1).float().numpy()
-        feeds[f"v_pool_{layer}"][pool_page, :, offset] = v[0, :, :n].transpose(0, 1).float().numpy()
+        feeds.k_pool[layer][pool_page, :, offset] = k[0, :, :n].transpose(0, 1).float().numpy()
+        feeds.v_pool[layer][pool_page, :, offset] = v[0, :, :n].transpose(0, 1).float().numpy()
 
 
 def run_onnx(path_or_session, feeds: dict[str, np.ndarray], *, threads: int = 1) -> dict[str, np.ndarray]:
