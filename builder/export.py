@@ -42,7 +42,7 @@ from tieredkv.models.cache import Step
 from tieredkv.models.llama import Llama
 from tieredkv.plugins.tiered_attention import PAD_PAGE_INDEX, tiered_attention
 from tieredkv.plugins.codec import CODECS, encode_pages, page_bytes
-from tieredkv.plugins.importance_score import RELEVANCE_ONLY, importance_score
+from tieredkv.plugins.importance_score import RELEVANCE_ONLY, relevance_and_ranking
 from tieredkv.plugins.onnx_codec import _Body
 from tieredkv.plugins.kv_append import kv_append
 from tieredkv.plugins.onnx_ops import (
@@ -341,11 +341,9 @@ class PoolStep:
         cand = self.valid & ~f.page_pinned
         last_tok = f.page_index * self.page_size + f.page_tokens - 1
         distance = (f.seq_len - 1).unsqueeze(1) - last_tok
-        args = (q[:, :, -1], f.key_min[layer], f.key_max[layer], f.page_tokens, distance, f.page_saliency[layer], cand,
-                f.position_table[layer])
-        rel = importance_score(*args, RELEVANCE_ONLY)
-        score = importance_score(*args, self.weights) if self.weights != RELEVANCE_ONLY else rel
-        return select_pages(score, self.valid, f.page_pinned, f.attend_pages), rel
+        rel, ranking = relevance_and_ranking(q[:, :, -1], f.key_min[layer], f.key_max[layer], f.page_tokens, distance,
+                                             f.page_saliency[layer], cand, f.position_table[layer], self.weights)
+        return select_pages(ranking, self.valid, f.page_pinned, f.attend_pages), rel
 
     def attend(self, step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         f = self.feeds

@@ -139,3 +139,18 @@ def importance_score(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pa
            else torch.zeros_like(saliency))
     score = mix(weights, rel, position_value(distance, position_table), saliency.float())
     return torch.where(page_mask, score, torch.zeros_like(score))
+
+
+def relevance_and_ranking(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_tokens: torch.Tensor,
+                          distance: torch.Tensor, saliency: torch.Tensor, page_mask: torch.Tensor,
+                          position_table: torch.Tensor, weights: tuple[float, float, float], *,
+                          aggregate: str = "share") -> tuple[torch.Tensor, torch.Tensor]:
+    """What a step's selection reads, as the step graph computes it: the relevance
+    (ImportanceScore with weights ``RELEVANCE_ONLY``) and the ranking SelectPages selects by
+    (ImportanceScore with the selection ``weights`` and ``aggregate``; the relevance itself
+    when those are relevance by share)."""
+    args = (q, kmin, kmax, page_tokens, distance, saliency, page_mask, position_table)
+    rel = importance_score(*args, RELEVANCE_ONLY)
+    if tuple(weights) == RELEVANCE_ONLY and aggregate == "share":
+        return rel, rel
+    return rel, importance_score(*args, weights, aggregate=aggregate)

@@ -32,7 +32,8 @@ from tieredkv.errors import ConfigError
 from tieredkv.models.cache import KVCache, KVSpec, Step
 from tieredkv.plugins.codec import CODECS
 from tieredkv.plugins.codec import page_bytes as codec_page_bytes
-from tieredkv.plugins.importance_score import RELEVANCE_ONLY, importance_score, mix, position_value
+from tieredkv.plugins.importance_score import (RELEVANCE_ONLY, importance_score, mix, position_value,
+                                               relevance_and_ranking)
 from tieredkv.plugins.select_pages import ATTEND_ALL, select_pages
 from tieredkv.plugins.tiered_attention import attention_over_pages
 from tieredkv.runtime.tiered.config import KV_DTYPES, TieredKVConfig, resolve_budgets
@@ -188,17 +189,15 @@ class TieredKVCache(KVCache):
         selection ranking (decode steps; None otherwise), the pages' saliency). The relevance is
         estimated among the pages that compete for the budget (T0 is attended anyway, and its
         sink pages would dominate the normalization), or among all when all are T0."""
-        kmin, kmax, saliency = self.mgr.summaries(layer, seq)
+        kmin, kmax, saliency = self.mgr.summaries(layer, seq.rows, seq.tokens)
         candidates = ~seq.t0 if not seq.t0.all() else seq.t0
         args = (q, kmin.unsqueeze(0), kmax.unsqueeze(0), seq.tokens.unsqueeze(0), seq.distance.unsqueeze(0),
                 saliency.unsqueeze(0), candidates.unsqueeze(0), self.scorer.position[layer])
-        rel = importance_score(*args, RELEVANCE_ONLY)[0]
         if not decode:
-            return rel, None, saliency
+            return importance_score(*args, RELEVANCE_ONLY)[0], None, saliency
         selection = self.config.selection
-        if selection.weights == RELEVANCE_ONLY and selection.aggregate == "share":
-            return rel, rel, saliency
-        return rel, importance_score(*args, selection.weights, aggregate=selection.aggregate)[0], saliency
+        rel, ranking = relevance_and_ranking(*args, selection.weights, aggregate=selection.aggregate)
+        return rel[0], ranking[0], saliency
 
     def _select(self, seq: SeqStep, score: torch.Tensor) -> torch.Tensor:
         """SelectPages: T0 plus the top pages by ``score`` within the attention budget."""
@@ -229,7 +228,7 @@ class TieredKVCache(KVCache):
         attention share where the page was attended (normalized so the top page is 1), the
         estimated relevance elsewhere, mixed with position and saliency (``score_weights``)."""
         if saliency is None:
-            saliency = self.mgr.summaries(layer, seq)[2]
+            saliency = self.mgr.summaries(layer, seq.rows, seq.tokens)[2]
         if attended.any():
             observed = torch.zeros_like(relevance)
             observed[attended] = mass[attended] / mass[attended].max().clamp(min=1e-30)

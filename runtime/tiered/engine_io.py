@@ -203,11 +203,11 @@ def step_feeds(cache, *, tiered_graph: bool, warm_codec: str | None = None) -> S
     if tiered_graph:
         budget = cache.budgets.attention_pages
         attend = ATTEND_ALL if budget is None or not plan.decode else budget
+        kmin, kmax, saliency = mgr.summaries(slice(None), flat, tokens.flatten())
         summary = (L, B, M, mgr.kv_heads, mgr.head_dim)
         feeds.page_pinned, feeds.page_tokens, feeds.attend_pages = pinned, tokens, torch.full((B,), attend)
-        feeds.key_min = table.kmin[:, flat].view(summary).float()
-        feeds.key_max = table.kmax[:, flat].view(summary).float()
-        feeds.page_saliency = (table.sal_sum[:, flat].view(L, B, M) / tokens.clamp(min=1)).float()
+        feeds.key_min, feeds.key_max = kmin.view(summary).float(), kmax.view(summary).float()
+        feeds.page_saliency = saliency.view(L, B, M).float()
         feeds.position_table = cache.scorer.position.detach().float()
     return feeds
 

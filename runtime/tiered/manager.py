@@ -26,7 +26,7 @@ Tiers (DESIGN.md, "the honest tiers"):
 What the cache asks of it, per step (one decode step of DESIGN.md, in order):
   ``begin_step``     new records and device slots for the step's tokens -> a :class:`StepPlan`;
   ``write_tokens``   per layer: the new K/V into their device pages, the key summaries;
-  ``summaries``      per layer and sequence: what the scorer reads;
+  ``summaries``      per layer and sequence: what the scorer reads (key bounds, saliency);
   ``attended``       per layer and sequence: the selected pages the step can attend (mode);
   ``read_pages``     the one reader of pages, from whichever tier holds them;
   ``record_access``  per layer and sequence: what the step needed, missed, streamed, the
@@ -324,12 +324,13 @@ class TierManager:
         t.kmax[layer].scatter_reduce_(0, idx, kf, "amax")
         t.sal_sum[layer].index_add_(0, recs, saliency)
 
-    def summaries(self, layer: int, seq: SeqStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What the scorer reads of one sequence's pages in one layer: element-wise key min and
-        max [M, KVH, D] and the mean saliency [M]."""
+    def summaries(self, layer: int | slice, rows, tokens: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the scorer reads of pages ``rows`` (written ``tokens`` each) in ``layer`` (or every
+        layer with ``slice(None)``): element-wise key min and max [..., N, KVH, D] and the mean
+        saliency [..., N]."""
         t = self.table
-        return (t.kmin[layer, seq.rows], t.kmax[layer, seq.rows],
-                t.sal_sum[layer, seq.rows] / seq.tokens.clamp(min=1))
+        return t.kmin[layer, rows], t.kmax[layer, rows], t.sal_sum[layer, rows] / tokens.clamp(min=1)
 
     def attended(self, layer: int | slice, seq: SeqStep, selected: torch.Tensor, *, decode: bool) -> torch.Tensor:
         """The selected pages the step attends: every one in exact mode and in prefill (the
