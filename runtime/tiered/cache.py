@@ -37,7 +37,8 @@ from tieredkv.plugins.importance_score import (RELEVANCE_ONLY, importance_score,
 from tieredkv.plugins.select_pages import ATTEND_ALL, select_pages
 from tieredkv.plugins.tiered_attention import attention_over_pages
 from tieredkv.runtime.tiered.config import KV_DTYPES, TieredKVConfig, resolve_budgets
-from tieredkv.runtime.tiered.manager import SeqStep, StepPlan, TierManager
+from tieredkv.runtime.tiered.manager import TierManager
+from tieredkv.runtime.tiered.step import SeqStep, StepPlan
 from tieredkv.runtime.tiered.metrics import TierMetrics
 from tieredkv.runtime.tiered.policies import make_policy
 from tieredkv.runtime.tiered.scorer import ImportanceScorer

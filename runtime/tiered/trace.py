@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from tieredkv.runtime.tiered.config import TieredKVConfig, resolve_budgets
-from tieredkv.runtime.tiered.manager import StepAccess, TierManager
+from tieredkv.runtime.tiered.manager import TierManager
+from tieredkv.runtime.tiered.step import StepAccess
 from tieredkv.runtime.tiered.metrics import TierMetrics
 from tieredkv.runtime.tiered.page_table import PageTable
 from tieredkv.runtime.tiered.policies import make_policy
