@@ -113,12 +113,17 @@ def relevance(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_toke
     raise ValueError(f"aggregate: expected one of {AGGREGATES}, got {aggregate!r}")
 
 
-def mix(weights: tuple[float, float, float], relevance: torch.Tensor, position: torch.Tensor,
+def mix(weights: tuple[float, float, float], relevance: torch.Tensor | None, position: torch.Tensor | None,
         saliency: torch.Tensor) -> torch.Tensor:
     """w_rel * relevance + w_pos * position + w_sal * saliency (the score's mix of its signals;
-    the runtime mixes its observed relevance with the same function)."""
-    w_rel, w_pos, w_sal = weights
-    return w_rel * relevance + w_pos * position + w_sal * saliency
+    the runtime mixes its observed relevance with the same function), summed in that order. A
+    term whose weight is 0 is left out (its signal may be None): the same value, since every
+    signal is finite and non-negative."""
+    score = None
+    for w, signal in zip(weights, (relevance, position, saliency)):
+        if w:
+            score = w * signal if score is None else score + w * signal
+    return torch.zeros_like(saliency, dtype=torch.float32) if score is None else score
 
 
 def importance_score(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_tokens: torch.Tensor,
@@ -135,9 +140,9 @@ def importance_score(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pa
     aggregate — how :func:`relevance` combines the query heads (the ONNX and CUDA forms
     implement ``share``).
     """
-    rel = (relevance(q, kmin, kmax, page_tokens, page_mask, scale=scale, aggregate=aggregate) if weights[0]
-           else torch.zeros_like(saliency))
-    score = mix(weights, rel, position_value(distance, position_table), saliency.float())
+    w_rel, w_pos, _ = weights
+    rel = relevance(q, kmin, kmax, page_tokens, page_mask, scale=scale, aggregate=aggregate) if w_rel else None
+    score = mix(weights, rel, position_value(distance, position_table) if w_pos else None, saliency.float())
     return torch.where(page_mask, score, torch.zeros_like(score))
 
 
