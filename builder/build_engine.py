@@ -24,9 +24,13 @@ to the chunk). Where it is not importable the build ends after the ONNX engine a
 what was built and the command that builds the TensorRT engine on a GPU machine.
 
 The directory appears atomically: everything is built in a temporary sibling that is
-renamed into place at the end; on any failure nothing is left behind. Exit status: 0 built,
-1 verification failed or an unexpected error, 2 bad input (missing checkpoint, existing
-ENGINE_DIR without --force, unwritable output, unsupported model). Never a traceback.
+renamed into place at the end; on any failure, Ctrl-C or SIGTERM nothing is left behind (a
+build killed outright leaves a ``.<name>.building-<pid>-*`` sibling, removed by the next build
+there). ``--force`` replaces an existing engine directory only (recognised by its
+``config.json``), never a file, a link or another directory. Exit status: 0 built, 1
+verification failed or an unexpected error, 2 bad input (missing checkpoint, existing
+ENGINE_DIR without --force or not an engine, unwritable output, unsupported model), 143
+SIGTERM. Never a traceback.
 """
 
 from __future__ import annotations
@@ -117,11 +121,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def check_output(output: Path, *, force: bool) -> None:
-    if output.exists() or output.is_symlink():
-        if not force:
-            raise EngineBuildError(f"{output}: already exists; pass --force to replace it, or choose another --output")
-        if not output.is_dir():
-            raise EngineBuildError(f"{output}: exists and is not a directory; refusing to replace it")
+    """An existing ``output`` is replaced only with ``force``, and only when it is an engine
+    directory (its ``config.json`` says so): never a file, a link, a directory of anything
+    else, or a directory holding the current one."""
+    if not (output.exists() or output.is_symlink()):
+        return
+    if not force:
+        raise EngineBuildError(f"{output}: already exists; pass --force to replace it, or choose another --output")
+    if output.is_symlink() or not output.is_dir():
+        raise EngineBuildError(f"{output}: exists and is not a directory (a file or a link); refusing to replace it")
+    if not is_engine_dir(output):
+        raise EngineBuildError(f"{output}: exists and is not an engine directory (no tieredkv {CONFIG_FILE}); "
+                               "--force replaces engine directories only: choose another --output")
+    cwd = Path.cwd().resolve()
+    if output.resolve() == cwd or output.resolve() in cwd.parents:
+        raise EngineBuildError(f"{output}: is the current directory or holds it; refusing to replace it")
+
+
+def is_engine_dir(path: Path) -> bool:
+    """Whether ``path`` holds a tieredkv engine's ``config.json`` (any format version)."""
+    try:
+        raw = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get("format") == ENGINE_FORMAT
+
+
+def _remove_stale_work_dirs(output: Path) -> None:
+    """Remove the temporary siblings (``.<name>.building-<pid>-*``, ``.<name>.old-<pid>-*``) that
+    a build killed before it could clean up left, when their process is gone."""
+    from tieredkv.lifecycle import pid_alive
+
+    for d in output.parent.glob(f".{output.name}.*-*-*"):
+        kind, _, rest = d.name[len(output.name) + 2:].partition("-")
+        pid = rest.split("-", 1)[0]
+        if kind in ("building", "old") and pid.isdigit() and not pid_alive(int(pid)) and d.is_dir() \
+                and not d.is_symlink():
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _layers_progress(total: int):
@@ -194,8 +230,9 @@ def build(args: argparse.Namespace) -> Path:
 
     # every failure from here on removes the temporary directory
     created = _make_parents(output.parent)
+    _remove_stale_work_dirs(output)
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.building-", dir=output.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.building-{os.getpid()}-", dir=output.parent))
     except OSError as exc:
         _remove_dirs(created)
         raise EngineBuildError(f"{output.parent}: cannot create the engine directory there ({exc.strerror})") from None
@@ -423,7 +460,7 @@ def _publish(tmp: Path, output: Path) -> None:
     if not output.exists():
         os.replace(tmp, output)
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
+    old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-{os.getpid()}-", dir=output.parent))
     os.replace(output, old / output.name)
     try:
         os.replace(tmp, output)
@@ -435,9 +472,17 @@ def _publish(tmp: Path, output: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tieredkv.lifecycle import SIGTERM_STATUS, sigterm_exits
+
     args = parse_args(argv)
     try:
-        build(args)
+        with sigterm_exits():
+            build(args)
+    except SystemExit as exc:
+        if exc.code != SIGTERM_STATUS:
+            raise
+        log("terminated; nothing was written")
+        return SIGTERM_STATUS
     except VerificationError as exc:
         log(f"error: {exc}")
         return EXIT_VERIFY

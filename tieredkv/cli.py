@@ -215,12 +215,11 @@ def cmd_model_pull(args: argparse.Namespace) -> int:
 
 def cmd_model_list(args: argparse.Namespace) -> int:
     from tieredkv.models.config import PRESETS
-    from tieredkv.models.hub import DEFAULT_MODEL, MODELS, cache_dir
+    from tieredkv.models.hub import DEFAULT_MODEL, MODELS, cached_state
 
     for name, asset in MODELS.items():
-        present = (cache_dir() / "models" / asset.filename).is_file()
         print(f"{name}{' (default)' if name == DEFAULT_MODEL else ''}: {asset.requirement} [{asset.license}]"
-              f" {'cached' if present else 'not pulled'}")
+              f" {cached_state(name)}")
     print("shape presets (random weights, `tieredkv info --preset NAME`): " + ", ".join(PRESETS))
     return 0
 
@@ -370,10 +369,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tieredkv.lifecycle import sigterm_exits
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        with sigterm_exits():
+            return args.func(args)
     except TieredKVError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -13,10 +13,17 @@ copies and restores its own contents (``snapshot`` / ``restore``: the cache's ch
 
 from __future__ import annotations
 
+import json
+import os
+import secrets
+import weakref
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from tieredkv.errors import ConfigError
+from tieredkv.lifecycle import pid_alive
 
 
 def _rank_within_groups(groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,13 +38,20 @@ def _rank_within_groups(groups: torch.Tensor, num_groups: int) -> tuple[torch.Te
 
 
 class TierPool:
+    """``capacity``: the most pages per layer the pool may hold (None: no limit). Slots are
+    allocated as they are needed (doubling, from ``initial``), never more than that: a budget
+    costs memory only when the work fills it."""
+
+    #: the tensors holding the pages, [L, C, ...] each, grown together
+    STORES = ("k", "v")
+
     def __init__(self, name: str, num_layers: int, kv_heads: int, page_size: int, head_dim: int,
                  dtype: torch.dtype, capacity: int | None, *, pin: bool = False, initial: int = 16) -> None:
         self.name, self.num_layers = name, num_layers
         self.page_shape = (kv_heads, page_size, head_dim)
         self.dtype, self.pin = dtype, pin
         self.max_capacity = capacity
-        cap = capacity if capacity is not None else initial
+        cap = initial if capacity is None else min(capacity, initial)
         self.k = self._new(cap)
         self.v = self._new(cap)
         self.owner = torch.full((num_layers, cap), -1, dtype=torch.long)
@@ -61,18 +75,19 @@ class TierPool:
         return (self.owner >= 0).sum(1)
 
     def free(self) -> torch.Tensor:
-        return self.capacity - self.used()
+        """Slots per layer that may still be taken [L]: up to the capacity of a bounded pool
+        (allocated or not yet), the allocated ones of a pool without a limit."""
+        return (self.capacity if self.max_capacity is None else self.max_capacity) - self.used()
 
     def _grow(self, needed: int) -> None:
-        new = self.capacity
+        new = max(1, self.capacity)
         while new < needed:
             new *= 2
         if self.max_capacity is not None:
             new = min(new, self.max_capacity)
         extra = new - self.capacity
-        pad = self._new(extra)
-        self.k = torch.cat([self.k, pad], dim=1)
-        self.v = torch.cat([self.v, pad.clone()], dim=1)
+        for name in self.STORES:
+            setattr(self, name, torch.cat([getattr(self, name), self._new(extra)], dim=1))
         self.owner = torch.cat([self.owner, torch.full((self.num_layers, extra), -1, dtype=torch.long)], dim=1)
 
     def alloc(self, layers: torch.Tensor, records: torch.Tensor) -> torch.Tensor | None:
@@ -80,11 +95,11 @@ class TierPool:
         if len(layers) == 0:
             return torch.empty(0, dtype=torch.long)
         rank, need = _rank_within_groups(layers, self.num_layers)
-        short = need > self.free()
-        if short.any():
-            if self.max_capacity is not None and int((self.used() + need).max()) > self.max_capacity:
-                return None
-            self._grow(int((self.used() + need).max()))
+        total = int((self.used() + need).max())
+        if self.max_capacity is not None and total > self.max_capacity:
+            return None
+        if total > self.capacity:
+            self._grow(total)
         # the rank-th free slot of each layer, without sorting: number the free slots per row
         free = self.owner < 0
         fl, fc = free.nonzero(as_tuple=True)  # row-major: slots ascending within each layer
@@ -113,8 +128,81 @@ class TierPool:
         self.k, self.v, self.owner = k.clone(), v.clone(), owner.clone()
 
 
+#: the first bytes of every T4 file: a magic line, then JSON {"pid": ...}, padded to HEADER_BYTES
+T4_MAGIC = b"TIEREDKV-T4 1\n"
+HEADER_BYTES = 4096
+T4_PATTERN = "tieredkv-t4-*.kv"
+
+
+def _t4_owner(path: Path) -> int | None:
+    """The pid recorded in a T4 file's header, or None when ``path`` is not a T4 file."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(HEADER_BYTES)
+        if not head.startswith(T4_MAGIC):
+            return None
+        return int(json.loads(head[len(T4_MAGIC):].rstrip(b"\0 \n"))["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def remove_stale_t4_files(directory: Path) -> list[Path]:
+    """Remove the T4 files in ``directory`` left by processes that are gone (killed before they
+    could remove their own); returns them."""
+    removed = []
+    for f in directory.glob(T4_PATTERN):
+        pid = _t4_owner(f)
+        if pid is not None and not pid_alive(pid) and not f.is_symlink():
+            f.unlink(missing_ok=True)
+            removed.append(f)
+    return removed
+
+
+def create_t4_file(path: str | Path) -> Path:
+    """Create the private file of a T4 tier, exclusively: ``path`` is a directory (a new file
+    ``tieredkv-t4-<pid>-<random>.kv`` inside it) or the name of a file that does not exist yet
+    (its directory is created when missing). Never an existing file, never through a symbolic
+    link; mode 0600; a header records the owner's pid. A T4 file at the same place left by a
+    process that no longer runs is removed first. ConfigError otherwise."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        remove_stale_t4_files(p)
+        target = p / f"tieredkv-t4-{os.getpid()}-{secrets.token_hex(6)}.kv"
+    else:
+        target = p
+        if p.is_symlink():
+            raise ConfigError(f"disk_path {p} is a symbolic link; tieredkv never writes through one: give a new file "
+                              "name or a directory")
+        if p.exists():
+            pid = _t4_owner(p)
+            if pid is None or pid_alive(pid):
+                why = "a file of someone else's" if pid is None else f"the T4 file of running process {pid}"
+                raise ConfigError(f"disk_path {p} exists ({why}); tieredkv creates its own file and never overwrites "
+                                  "one: give a new file name or a directory")
+            p.unlink()  # the T4 file of a killed run
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"disk_path {p}: cannot create its directory ({exc.strerror})") from None
+    try:
+        fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError as exc:
+        raise ConfigError(f"disk_path {target}: cannot create the T4 file ({exc.strerror})") from None
+    with os.fdopen(fd, "wb") as fh:
+        header = T4_MAGIC + json.dumps({"pid": os.getpid()}).encode() + b"\n"
+        fh.write(header.ljust(HEADER_BYTES, b"\0"))
+    return target
+
+
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
 class DiskPool(TierPool):
-    """T4: pages in a memory-mapped file, slot-major so the file grows by appending."""
+    """T4: pages in a memory-mapped file, slot-major so the file grows by appending, after a
+    header. The file is private (``create_t4_file``) and removed when the pool closes, when it
+    is garbage-collected, and at interpreter exit (the CLI turns SIGTERM into an exit); a file
+    a killed process (SIGKILL) left is removed the next time a T4 file is made at that place."""
 
     def __init__(self, path: str | Path, num_layers: int, kv_heads: int, page_size: int, head_dim: int,
                  dtype: torch.dtype, *, initial: int = 64) -> None:
@@ -123,8 +211,8 @@ class DiskPool(TierPool):
         self.dtype, self.max_capacity = dtype, None
         self.np_dtype = torch.empty(0, dtype=dtype).numpy().dtype if dtype != torch.bfloat16 else np.uint16
         self.element_size = torch.empty(0, dtype=dtype).element_size()
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = create_t4_file(path)
+        self._remove = weakref.finalize(self, _unlink, self.path)
         self.owner = torch.full((num_layers, 0), -1, dtype=torch.long)
         self.mm = None
         self._grow(initial)
@@ -136,9 +224,12 @@ class DiskPool(TierPool):
         if self.mm is not None:
             self.mm.flush()
             del self.mm
-        with open(self.path, "ab") as fh:
-            fh.truncate(nbytes)
-        self.mm = np.memmap(self.path, dtype=self.np_dtype, mode="r+", shape=shape)
+        fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            os.ftruncate(fd, HEADER_BYTES + nbytes)
+        finally:
+            os.close(fd)
+        self.mm = np.memmap(self.path, dtype=self.np_dtype, mode="r+", shape=shape, offset=HEADER_BYTES)
         extra = new - self.capacity
         self.owner = torch.cat([self.owner, torch.full((self.num_layers, extra), -1, dtype=torch.long)], dim=1)
 
@@ -170,10 +261,9 @@ class DiskPool(TierPool):
 
     def close(self) -> None:
         if self.mm is not None:
-            self.mm.flush()
             del self.mm
             self.mm = None
-        self.path.unlink(missing_ok=True)
+        self._remove()
 
 
 class WarmPool(TierPool):
@@ -186,8 +276,10 @@ class WarmPool(TierPool):
     Numerics are identical (decoding is deterministic); budgets and accounting count only the
     encoded bytes. A GPU kernel decodes on the fly instead."""
 
+    STORES = ("data",)
+
     def __init__(self, num_layers: int, codec, shape: tuple[int, int, int], capacity: int, *,
-                 keep_decoded: bool = False) -> None:
+                 keep_decoded: bool = False, initial: int = 16) -> None:
         from tieredkv.plugins.codec import page_bytes
 
         self.name, self.num_layers = "warm", num_layers
@@ -195,19 +287,26 @@ class WarmPool(TierPool):
         self.page_shape = (page_bytes(codec, *shape),)
         self.dtype, self.pin = torch.uint8, False
         self.max_capacity = capacity
-        self.data = self._new(capacity)
-        self.owner = torch.full((num_layers, capacity), -1, dtype=torch.long)
+        cap = min(capacity, initial)
+        self.data = self._new(cap)
+        self.owner = torch.full((num_layers, cap), -1, dtype=torch.long)
         self.element_size = 1
-        self.decoded = (torch.zeros(num_layers, capacity, *shape), torch.zeros(num_layers, capacity, *shape)) \
-            if keep_decoded else None
+        self.decoded = (self._decoded(cap), self._decoded(cap)) if keep_decoded else None
+
+    def _decoded(self, cap: int) -> torch.Tensor:
+        return torch.zeros(self.num_layers, cap, *self.shape)
 
     @property
     def page_bytes(self) -> int:
         """Bytes of one encoded page (K + V) of one layer, alignment included."""
         return self.page_shape[0]
 
-    def _grow(self, needed: int) -> None:  # fixed capacity: alloc() returns None instead
-        raise AssertionError("the warm pool does not grow")
+    def _grow(self, needed: int) -> None:
+        old = self.capacity
+        super()._grow(needed)
+        if self.decoded is not None:
+            extra = self._decoded(self.capacity - old)
+            self.decoded = tuple(torch.cat([t, extra], dim=1) for t in self.decoded)
 
     def read(self, layers: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoded K, V [N, KVH, P, D] float32."""

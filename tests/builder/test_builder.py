@@ -294,6 +294,7 @@ def run_build(*args: str) -> subprocess.CompletedProcess:
 def test_cli_builds_engine_dir_replacing_with_force(tiny_gguf, tmp_path):
     out = tmp_path / "engines" / "tiny"
     out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps({"format": "tieredkv-engine", "format_version": 1}))  # an old engine
     (out / "stale.txt").write_text("old engine")
     proc = run_build("--tiered-kv", "--model", str(tiny_gguf), "--output", str(out), "--force", "--page-size", "8")
     assert proc.returncode == 0, proc.stderr
@@ -309,6 +310,53 @@ def test_cli_builds_engine_dir_replacing_with_force(tiny_gguf, tmp_path):
     config = LlamaConfig.from_dict(cfg["model"])
     assert (config.num_layers, config.vocab_size, config.num_kv_heads) == (2, 512, 2)
     onnx.checker.check_model(str(out / "step.onnx"), full_check=True)
+
+
+def test_cli_force_replaces_engine_directories_only(tiny_gguf, tmp_path):
+    """--force never deletes what is not an engine: a directory of user files, a file, a link,
+    the current directory; each is refused before anything is loaded or written."""
+    users = tmp_path / "work"
+    users.mkdir()
+    (users / "thesis.tex").write_text("years of work")
+    (tmp_path / "file.txt").write_text("data")
+    (tmp_path / "link").symlink_to(users)
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "config.json").write_text('{"format": "something-else"}')
+    for output, match in ((users, "not an engine directory"), (tmp_path / "file.txt", "not a directory"),
+                          (tmp_path / "link", "not a directory"), (fake, "not an engine directory")):
+        proc = run_build("--model", str(tiny_gguf), "--output", str(output), "--force")
+        assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    env = dict(__import__("os").environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(BUILD_SCRIPT), "--model", str(tiny_gguf), "--output", ".", "--force"],
+                          capture_output=True, text=True, env=env, cwd=users, timeout=600)
+    assert proc.returncode == 2 and "not an engine directory" in proc.stderr
+    assert (users / "thesis.tex").read_text() == "years of work" and (tmp_path / "file.txt").read_text() == "data"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fake", "file.txt", "link", "work"]
+
+
+def test_cli_sigterm_and_a_killed_build_leave_nothing(tiny_gguf, tmp_path):
+    """SIGTERM during a build removes the half-built directory (exit 143); a work directory a
+    killed build left (its process gone) is removed by the next build there."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "eng"
+    stale = tmp_path / ".eng.building-999999999-abcd"  # no such process
+    stale.mkdir()
+    (stale / "step.onnx").write_bytes(b"half")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(BUILD_SCRIPT), "--tiered-kv", "--model", str(tiny_gguf), "--output",
+                             str(out), "--page-size", "8"], stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 300
+    while time.time() < deadline and not any(p.name.startswith(f".eng.building-{proc.pid}-") for p in tmp_path.iterdir()):
+        time.sleep(0.05)
+    assert not stale.exists()  # the stale one went first
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143, proc.stderr.read()
+    assert "terminated; nothing was written" in proc.stderr.read()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cli_existing_dir_without_force_is_left_alone(tiny_gguf, tmp_path):

@@ -67,3 +67,44 @@ def test_download_failure_is_typed(tmp_path):
 def test_default_cache_dir(monkeypatch):
     monkeypatch.delenv(hub.CACHE_ENV, raising=False)
     assert str(hub.cache_dir()).endswith(".cache/tieredkv")
+
+
+def test_a_corrupted_cached_model_is_refused_with_the_way_out(fake_registry):
+    """The sha256 is checked again whenever the cached file changed (size, time, inode): flipped
+    bytes are a CorruptCheckpointError naming `model pull --force`, and `model list` stops saying
+    the model is fine; a pull --force brings it back."""
+    import os
+
+    path = hub.pull("fake")
+    assert hub.cached_state("fake") == "cached"
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(1, 1))  # even with an old time stamp: the size or time differs from the record
+    assert hub.cached_state("fake") == "cached, unverified"
+    with pytest.raises(CorruptCheckpointError, match="corrupt .*tieredkv model pull --force fake"):
+        hub.resolve_model("fake")
+    assert hub.pull("fake", force=True) == path and hub.resolve_model("fake") == path
+    assert hub.cached_state("fake") == "cached"
+
+
+def test_an_intact_file_is_hashed_once_per_change(fake_registry, monkeypatch):
+    path = hub.pull("fake")
+    calls = []
+    real = hub.sha256_file
+    monkeypatch.setattr(hub, "sha256_file", lambda p: calls.append(p) or real(p))
+    for _ in range(3):
+        hub.resolve_model("fake")
+    assert calls == []  # the record matches: trusted
+    hub._record(path).unlink()
+    hub.resolve_model("fake")
+    hub.resolve_model("fake")
+    assert calls == [path]  # verified once, recorded again
+
+
+def test_an_unwritable_cache_is_a_typed_error(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv(hub.CACHE_ENV, str(blocker))
+    with pytest.raises(DownloadError, match="cannot create the model cache directory"):
+        hub.pull()
