@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from tieredkv.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UnsupportedModelError
+from tieredkv.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UnsupportedModelError, short
+
+#: the largest value of each shape field a checkpoint may describe (a Llama-3.1-405B is far
+#: inside: hidden 16,384, 126 layers, 128 heads, vocabulary 128,256, context 131,072)
+LIMITS = {"vocab_size": 1 << 21, "hidden_size": 1 << 16, "intermediate_size": 1 << 18, "num_layers": 1024,
+          "num_heads": 1024, "num_kv_heads": 1024, "head_dim": 1024, "max_position_embeddings": 1 << 24}
 
 
 @dataclass(frozen=True)
@@ -31,8 +37,14 @@ class RopeScaling:
             raise UnsupportedModelError(
                 f"rope_scaling.rope_type={self.rope_type!r} is not supported; expected 'llama3' or 'linear'"
             )
-        if self.factor <= 0:
-            raise ConfigError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        for fname in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, fname)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"rope_scaling.{fname} must be a finite number > 0, got {short(value)}")
+        value = self.original_max_position_embeddings
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= LIMITS["max_position_embeddings"]:
+            raise ConfigError(f"rope_scaling.original_max_position_embeddings must be an integer in [1, "
+                              f"{LIMITS['max_position_embeddings']}], got {short(value)}")
         if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
             raise ConfigError(
                 "rope_scaling.high_freq_factor must be greater than low_freq_factor, got "
@@ -65,23 +77,27 @@ class LlamaConfig:
     name: str = "llama"
 
     def __post_init__(self) -> None:
-        if self.head_dim == 0 and self.num_heads > 0:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        for fname in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                      "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for fname, limit in LIMITS.items():
             value = getattr(self, fname)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"LlamaConfig.{fname} must be a positive integer, got {value!r}")
+            if fname == "head_dim" and value == 0:
+                continue  # derived below
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= limit:
+                raise ConfigError(f"LlamaConfig.{fname} must be an integer in [1, {limit}], got {short(value)}")
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+            if self.head_dim == 0:
+                raise ConfigError(f"LlamaConfig: hidden_size ({self.hidden_size}) < num_heads ({self.num_heads}) "
+                                  "gives a head dim of 0; expected head_dim >= 1")
         if self.num_heads % self.num_kv_heads != 0:
             raise ConfigError(
                 f"LlamaConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
         if self.head_dim % 2 != 0:
             raise ConfigError(f"LlamaConfig.head_dim must be even for RoPE, got {self.head_dim}")
-        if not self.rope_theta > 0:
-            raise ConfigError(f"LlamaConfig.rope_theta must be > 0, got {self.rope_theta}")
-        if not self.rms_norm_eps > 0:
-            raise ConfigError(f"LlamaConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        for fname in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, fname)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"LlamaConfig.{fname} must be a finite number > 0, got {short(value)}")
 
     # ------------------------------------------------------------------ derived figures
     @property
@@ -122,66 +138,49 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any], source: str = "config.json") -> "LlamaConfig":
-        """From a Hugging Face ``config.json`` mapping of a LlamaForCausalLM."""
+        """From a Hugging Face ``config.json`` mapping of a LlamaForCausalLM, in the layouts the
+        supported transformers versions write: RoPE as ``rope_theta`` + ``rope_scaling``
+        (transformers 4) or as ``rope_parameters`` (transformers 5). Every field is read with its
+        type checked (an integer is never a rounded float); a layout it cannot read is refused."""
+        if not isinstance(cfg, Mapping):
+            raise CorruptCheckpointError(f"{source}: expected a JSON object of settings, got {type(cfg).__name__}")
+        read = _HFReader(cfg, source)
         archs = cfg.get("architectures") or []
         model_type = cfg.get("model_type")
-        if model_type != "llama" and "LlamaForCausalLM" not in archs:
+        if model_type != "llama" and (not isinstance(archs, list) or "LlamaForCausalLM" not in archs):
             raise UnsupportedModelError(
-                f"{source}: model_type={model_type!r}, architectures={archs!r}; expected a Llama "
+                f"{source}: model_type={short(model_type)}, architectures={short(archs)}; expected a Llama "
                 "checkpoint (model_type 'llama', LlamaForCausalLM)"
             )
         for flag in ("attention_bias", "mlp_bias"):
-            if cfg.get(flag):
+            if read.boolean(flag, False):
                 raise UnsupportedModelError(f"{source}: {flag}=true is not supported; expected false")
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
-            raise UnsupportedModelError(f"{source}: hidden_act={act!r}; expected 'silu'")
-
-        def need(key: str) -> Any:
-            if key not in cfg:
-                raise CorruptCheckpointError(f"{source}: missing required field {key!r}")
-            return cfg[key]
-
-        scaling = None
-        rs = cfg.get("rope_scaling")
-        if rs:
-            rtype = rs.get("rope_type", rs.get("type"))
-            if rtype in (None, "default"):
-                scaling = None
-            elif rtype == "llama3":
-                scaling = RopeScaling(
-                    rope_type="llama3",
-                    factor=float(rs["factor"]),
-                    low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-                    high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-                    original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
-                )
-            elif rtype == "linear":
-                scaling = RopeScaling(rope_type="linear", factor=float(rs["factor"]))
-            else:
-                raise UnsupportedModelError(
-                    f"{source}: rope_scaling type {rtype!r} is not supported; expected 'llama3' or 'linear'"
-                )
+            raise UnsupportedModelError(f"{source}: hidden_act={short(act)}; expected 'silu'")
+        rope_theta, scaling = read.rope()
         eos = cfg.get("eos_token_id", 2)
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        num_heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
+        eos_ids = tuple(read.token_ids("eos_token_id", eos if isinstance(eos, list) else ([] if eos is None else [eos])))
+        bos = cfg.get("bos_token_id")
+        num_heads = read.integer("num_attention_heads")
+        hidden = read.integer("hidden_size")
+        head_dim = read.integer("head_dim", None)
         return cls(
-            vocab_size=int(need("vocab_size")),
+            vocab_size=read.integer("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            intermediate_size=read.integer("intermediate_size"),
+            num_layers=read.integer("num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            num_kv_heads=read.integer("num_key_value_heads", num_heads) or num_heads,
+            head_dim=head_dim or 0,
+            rope_theta=rope_theta,
             rope_scaling=scaling,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            bos_token_id=cfg.get("bos_token_id"),
+            rms_norm_eps=read.number("rms_norm_eps", 1e-6),
+            max_position_embeddings=read.integer("max_position_embeddings", 4096),
+            tie_word_embeddings=read.boolean("tie_word_embeddings", False),
+            bos_token_id=read.token_ids("bos_token_id", [bos])[0] if bos is not None else None,
             eos_token_ids=eos_ids,
-            name=str(cfg.get("_name_or_path") or "llama"),
+            name=str(cfg.get("_name_or_path") or "llama")[:200],
         )
 
     @classmethod
@@ -258,6 +257,93 @@ class LlamaConfig:
             eos_token_ids=eos_ids,
             name=str(fields.get("general.name") or Path(source).stem),
         )
+
+
+class _HFReader:
+    """Typed reads of a Hugging Face config.json mapping; CorruptCheckpointError naming the file
+    and the field when a value is missing or of the wrong type."""
+
+    _MISSING = object()
+
+    def __init__(self, cfg: Mapping[str, Any], source: str) -> None:
+        self.cfg, self.source = cfg, source
+
+    def _get(self, key: str, default: Any, table: Mapping[str, Any] | None = None) -> Any:
+        value = (self.cfg if table is None else table).get(key, default)
+        if value is self._MISSING:
+            raise CorruptCheckpointError(f"{self.source}: missing required field {key!r}")
+        return value
+
+    def _bad(self, key: str, value: Any, expected: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{self.source}: {key} must be {expected}, got {short(value)}")
+
+    def integer(self, key: str, default: Any = _MISSING, table: Mapping[str, Any] | None = None) -> Any:
+        value = self._get(key, default, table)
+        if value is None or value is default:
+            return value
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self._bad(key, value, "an integer")
+        return value
+
+    def number(self, key: str, default: Any = _MISSING, table: Mapping[str, Any] | None = None) -> float:
+        value = self._get(key, default, table)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self._bad(key, value, "a finite number")
+        return float(value)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self._get(key, default)
+        if not isinstance(value, bool):
+            raise self._bad(key, value, "true or false")
+        return value
+
+    def token_ids(self, key: str, values: list) -> list[int]:
+        if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                   for v in values):
+            raise self._bad(key, self.cfg.get(key), "a token id or a list of token ids")
+        return values
+
+    def rope(self) -> tuple[float, RopeScaling | None]:
+        """(rope_theta, scaling) from ``rope_parameters`` (transformers >= 5) or ``rope_theta`` and
+        ``rope_scaling`` (transformers 4); both given must agree."""
+        params = self.cfg.get("rope_parameters")
+        if params is not None:
+            if not isinstance(params, Mapping) or any(isinstance(v, Mapping) for v in params.values()):
+                raise UnsupportedModelError(
+                    f"{self.source}: rope_parameters {short(params)} is not one table of RoPE settings (per-layer-type "
+                    "RoPE is not a Llama layout); expected {\"rope_theta\": ..., \"rope_type\": ...}")
+            theta = self.number("rope_theta", 10000.0, params)
+            if "rope_theta" in self.cfg and self.number("rope_theta") != theta:
+                raise CorruptCheckpointError(f"{self.source}: rope_theta {self.cfg['rope_theta']} and "
+                                             f"rope_parameters.rope_theta {theta} disagree")
+            scaling = params
+            if self.cfg.get("rope_scaling") not in (None, {}) and self.cfg.get("rope_scaling") != params:
+                raise CorruptCheckpointError(f"{self.source}: rope_scaling and rope_parameters disagree; expected one")
+        else:
+            theta = self.number("rope_theta", 10000.0)
+            scaling = self.cfg.get("rope_scaling")
+        return theta, self._scaling(scaling)
+
+    def _scaling(self, rs: Any) -> RopeScaling | None:
+        if rs is None or rs == {}:
+            return None
+        if not isinstance(rs, Mapping):
+            raise self._bad("rope_scaling", rs, "a table (rope_type, factor, ...)")
+        rtype = rs.get("rope_type", rs.get("type"))
+        if rtype in (None, "default"):
+            return None
+        if rtype == "llama3":
+            return RopeScaling(rope_type="llama3", factor=self.number("factor", self._MISSING, rs),
+                               low_freq_factor=self.number("low_freq_factor", 1.0, rs),
+                               high_freq_factor=self.number("high_freq_factor", 4.0, rs),
+                               original_max_position_embeddings=self.integer("original_max_position_embeddings", 8192,
+                                                                             rs))
+        if rtype == "linear":
+            return RopeScaling(rope_type="linear", factor=self.number("factor", self._MISSING, rs))
+        raise UnsupportedModelError(f"{self.source}: rope type {short(rtype)} is not supported; expected 'llama3', "
+                                    "'linear' or 'default'")
 
 
 _LLAMA31_SCALING = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)

@@ -7,6 +7,19 @@ the CLI prints `error: <message>` and exits with status 2 for these, never a tra
 
 from __future__ import annotations
 
+import reprlib
+from typing import Any
+
+
+def short(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` bounded in size, for error messages about user input: never the whole of
+    a huge or self-referencing value (a YAML alias bomb expands to gigabytes when printed)."""
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = limit
+    r.maxlist = r.maxtuple = r.maxdict = r.maxset = 6
+    r.maxlevel = 3
+    return r.repr(value)[: limit + 20]
+
 
 class TieredKVError(Exception):
     """Base class of every error tieredkv raises on purpose."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 
-from tieredkv.errors import ConfigError, DataFileError
+from tieredkv.errors import ConfigError, DataFileError, short
 
 _UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -44,21 +45,23 @@ class Budget:
         if text is None or (isinstance(text, str) and text.strip().lower() in ("", "none", "unlimited", "100%")):
             return None
         if isinstance(text, bool):
-            raise ConfigError(f"{field}: expected a budget such as '25%', '64MiB' or 2048 (tokens), got {text!r}")
+            raise ConfigError(f"{field}: expected a budget such as '25%', '64MiB' or 2048 (tokens), got {short(text)}")
         if isinstance(text, (int, float)):
+            if not math.isfinite(text):
+                raise ConfigError(f"{field}: a budget must be a finite number, got {short(text)}")
             if text <= 0:
                 raise ConfigError(f"{field}: a token budget must be positive, got {text}")
             return cls("tokens", float(text))
         m = _BUDGET_RE.match(str(text))
         if not m:
-            raise ConfigError(f"{field}: cannot parse {text!r}; expected '25%', '64MiB', '1.5GB' or a token count "
+            raise ConfigError(f"{field}: cannot parse {short(text)}; expected '25%', '64MiB', '1.5GB' or a token count "
                               "such as 2048")
         num, unit = float(m.group("num")), (m.group("unit") or "tok").lower()
         if num <= 0:
-            raise ConfigError(f"{field}: must be positive, got {text!r}")
+            raise ConfigError(f"{field}: must be positive, got {short(text)}")
         if unit == "%":
             if num > 100:
-                raise ConfigError(f"{field}: a percentage must be in (0, 100], got {text!r}")
+                raise ConfigError(f"{field}: a percentage must be in (0, 100], got {short(text)}")
             return cls("percent", num / 100)
         if unit in ("tok", "tokens", "t"):
             return cls("tokens", num)
@@ -84,6 +87,8 @@ class Budget:
 
 
 MODES = ("exact", "masked")
+#: the largest page (tokens) a cache takes
+MAX_PAGE_SIZE = 1024
 #: how a step's page ranking for selection combines a layer's query heads
 SELECTION_AGGREGATES = ("share", "head-rank")
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -100,10 +105,10 @@ def setting(default: Any, check: Callable[[Any], Any], *, flat: str | None = Non
     return field(default=default, metadata={"check": check, "flat": flat})
 
 
-def _integer(low: int) -> Callable[[Any], int]:
+def _integer(low: int, high: int = 1 << 40) -> Callable[[Any], int]:
     def check(v: Any) -> int:
-        if not isinstance(v, int) or isinstance(v, bool) or v < low:
-            raise ValueError(f"must be an integer >= {low}, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
+            raise ValueError(f"must be an integer in [{low}, {high}], got {short(v)}")
         return v
     return check
 
@@ -111,25 +116,25 @@ def _integer(low: int) -> Callable[[Any], int]:
 def _number(low: float, high: float, *, open_low: bool = False) -> Callable[[Any], float]:
     def check(v: Any) -> float:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"must be a number, got {v!r}")
+            raise ValueError(f"must be a number, got {short(v)}")
         if not (low < v if open_low else low <= v) or v > high:
-            raise ValueError(f"must be in {'(' if open_low else '['}{low:g}, {high:g}], got {v!r}")
+            raise ValueError(f"must be in {'(' if open_low else '['}{low:g}, {high:g}], got {short(v)}")
         return v
     return check
 
 
 def _weights(n: int, *, unit_sum: bool) -> Callable[[Any], tuple[float, ...]]:
     what = (f"{n} non-negative numbers summing to 1 (relevance, position, saliency)" if unit_sum
-            else f"{n} non-negative numbers")
+            else f"{n} finite non-negative numbers")
 
     def check(v: Any) -> tuple[float, ...]:
         try:
             w = tuple(float(x) for x in v)
         except (TypeError, ValueError):
-            raise ValueError(f"must be a list of {what}, got {v!r}") from None
-        if len(w) != n or any(isinstance(x, bool) for x in v) or any(x < 0 for x in w) or \
+            raise ValueError(f"must be a list of {what}, got {short(v)}") from None
+        if len(w) != n or any(isinstance(x, bool) for x in v) or not all(0 <= x < math.inf for x in w) or \
                 (unit_sum and not math.isclose(sum(w), 1.0, abs_tol=1e-6)):
-            raise ValueError(f"must be a list of {what}, got {v!r}")
+            raise ValueError(f"must be a list of {what}, got {short(v)}")
         return w
     return check
 
@@ -141,17 +146,17 @@ def _choice(options: Callable[[], Any], *, optional: bool = False,
         if v is None and optional:
             return None
         if not isinstance(v, str):
-            raise ValueError(f"must be a string, got {v!r}")
+            raise ValueError(f"must be a string, got {short(v)}")
         v = aliases().get(v, v)
         if v not in options():
-            raise ValueError(f"unknown value {v!r}; expected one of {sorted(options())}")
+            raise ValueError(f"unknown value {short(v)}; expected one of {sorted(options())}")
         return v
     return check
 
 
 def _optional_path(v: Any) -> str | None:
     if v is not None and not isinstance(v, (str, Path)):
-        raise ValueError(f"must be a string or unset, got {v!r}")
+        raise ValueError(f"must be a string or unset, got {short(v)}")
     return None if v is None else str(v)
 
 
@@ -231,7 +236,7 @@ class BudgetConfig(_Settings):
     device: str | int | None = setting(None, _budget, flat="device_budget")
     host: str | int | None = setting(None, _budget, flat="host_budget")
     attention: str | int | None = setting(None, _budget, flat="attention_budget")
-    staging_pages: int = setting(4, _integer(1))
+    staging_pages: int = setting(4, _integer(1, 1 << 20))
     hot_key_fraction: float = setting(0.25, _number(0.0, 1.0))
     disk_path: str | None = setting(None, _optional_path)
 
@@ -317,7 +322,7 @@ class TieredKVConfig(_Settings):
     ``scorer_weights`` a trained scorer file (default: the packaged one for the model's shape).
     """
 
-    page_size: int = setting(16, _integer(1))
+    page_size: int = setting(16, _integer(1, MAX_PAGE_SIZE))
     kv_dtype: str | None = setting(None, _choice(lambda: KV_DTYPES, optional=True))
     scorer_weights: str | None = setting(None, _optional_path)
     window: WindowConfig = field(default_factory=WindowConfig)
@@ -330,7 +335,7 @@ class TieredKVConfig(_Settings):
         top = {f.name for f in fields(self) if f.name not in _SECTIONS}
         unknown = sorted(set(settings) - top - set(_SECTIONS) - set(FLAT_SETTINGS))
         if unknown:
-            raise ConfigError(f"unknown settings {unknown}; expected any of {sorted(top | set(FLAT_SETTINGS))} "
+            raise ConfigError(f"unknown settings {short(unknown)}; expected any of {sorted(top | set(FLAT_SETTINGS))} "
                               f"or the sections {sorted(_SECTIONS)}")
         overrides: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
         for key, value in settings.items():
@@ -376,7 +381,7 @@ class TieredKVConfig(_Settings):
         data = _settings_table(data, source)
         for name in _SECTIONS:
             if name in data and not isinstance(data[name], Mapping):
-                raise ConfigError(f"{source}: {name} must be a table of settings, got {data[name]!r}")
+                raise ConfigError(f"{source}: {name} must be a table of settings, got {short(data[name])}")
         try:
             return cls(**data)
         except ConfigError as exc:
@@ -424,16 +429,16 @@ def _section(name: str, value: Any) -> _Settings:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ConfigError(f"{name}: unknown keys {unknown}; expected a subset of {sorted(known)}")
+            raise ConfigError(f"{name}: unknown keys {short(unknown)}; expected a subset of {sorted(known)}")
         return cls(**value)
-    raise ConfigError(f"{name}: expected a {cls.__name__} or a table of settings, got {value!r}")
+    raise ConfigError(f"{name}: expected a {cls.__name__} or a table of settings, got {short(value)}")
 
 
 def _settings_table(data: Mapping[str, Any], source: str) -> dict:
     """The settings of a mapping: its ``tiered_kv`` table / key when it has one, else itself."""
     inner = data.get("tiered_kv", data)
     if not isinstance(inner, Mapping):
-        raise ConfigError(f"{source}: tiered_kv must be a table of settings, got {inner!r}")
+        raise ConfigError(f"{source}: tiered_kv must be a table of settings, got {short(inner)}")
     return dict(inner)
 
 
@@ -519,5 +524,19 @@ def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_
         warm_pages = warm_given * token_bytes_per_layer * P // warm_page_bytes
         if att is None:
             attention_pages = (device_pages - staging - warm_given + warm_pages) // num_sequences
+    page_bytes_all_layers = tok_all * P
+    for name, budget, pages in (("device_budget", dev, device_pages), ("host_budget", host, host_pages)):
+        if pages is not None and pages * page_bytes_all_layers > physical_memory():
+            raise ConfigError(f"{name} {budget} is "
+                              f"{pages * page_bytes_all_layers / 2**30:.1f} GiB of pages; this machine has "
+                              f"{physical_memory() / 2**30:.1f} GiB of memory: expected a budget that fits")
     hot = 0 if device_pages is None else int(config.budgets.hot_key_fraction * (device_pages - staging - warm_given))
     return ResolvedBudgets(device_pages, host_pages, attention_pages, hot, staging, warm_pages, warm_given)
+
+
+def physical_memory() -> int:
+    """Bytes of memory of this machine (where the pools live)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62  # unknown: no limit

@@ -2,6 +2,7 @@
 bad value naming the setting, TOML / YAML files with tables or flat keys."""
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from tieredkv.errors import ConfigError, DataFileError
 from tieredkv.runtime.tiered.config import (
@@ -38,8 +39,9 @@ def test_bad_budgets(bad):
     (dict(promote_score=1.5), r"promote_score \(migration.promote_score\): must be in \[0, 1\]"),
     (dict(demote_score=0.8, promote_score=0.7), "demote_score .* must not exceed promote_score"),
     (dict(score_weights=(0.5, 0.5, 0.5)), r"score_weights .*summing to 1"),
-    (dict(page_size=0), "page_size: must be an integer >= 1"),
-    (dict(recent_tokens=-1), r"recent_tokens \(window.recent_tokens\): must be an integer >= 0"),
+    (dict(page_size=0), r"page_size: must be an integer in \[1, 1024\]"),
+    (dict(page_size=100_000_000), r"page_size: must be an integer in \[1, 1024\], got 100000000"),
+    (dict(recent_tokens=-1), r"recent_tokens \(window.recent_tokens\): must be an integer in \[0,"),
     (dict(warm_codec="zstd"), r"warm_codec \(warm.codec\): unknown value 'zstd'"),
     (dict(warm_codec=""), r"warm_codec \(warm.codec\): unknown value ''"),
     (dict(warm_fraction=0.0), r"warm_fraction \(warm.fraction\): must be in \(0, 1\]"),
@@ -112,3 +114,44 @@ def test_config_files(tmp_path):
     toml.write_text('policy = ["lru"]\n')
     with pytest.raises(ConfigError, match=f"{toml}: policy .*must be a string"):
         TieredKVConfig.from_file(toml)
+
+
+def test_non_finite_and_oversized_values_are_refused_up_front():
+    for bad, match in ((dict(lfu_importance_weights=[float("nan")] * 2), "finite non-negative"),
+                       (dict(device_budget=float("inf")), "finite number"),
+                       (dict(hot_key_fraction=float("nan")), r"must be in \[0, 1\]")):
+        with pytest.raises(ConfigError, match=match):
+            TieredKVConfig(**bad)
+    with pytest.raises(ConfigError, match="GiB of memory: expected a budget that fits"):
+        resolve_budgets(TieredKVConfig(device_budget="1TB"), num_layers=30, token_bytes_per_layer=1536,
+                        full_tokens=100)
+
+
+def test_an_alias_bomb_gives_a_short_error(tmp_path):
+    """A YAML alias bomb is a small file that expands to a huge value: the error names it without
+    expanding it."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    lines.append("policy: *a8")
+    f = tmp_path / "bomb.yaml"
+    f.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError) as info:
+        TieredKVConfig.from_file(f)
+    assert len(str(info.value)) < 2000
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats() | st.text(max_size=8),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                         max_size=4), max_leaves=8)
+setting_names = st.sampled_from(sorted(FLAT_SETTINGS) + ["page_size", "kv_dtype", "scorer_weights", "budgets",
+                                                         "warm", "window", "unknown_key"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(setting_names, json_values, max_size=4))
+def test_any_mapping_is_a_config_or_a_config_error(mapping):
+    """Fuzz: whatever a config file holds, loading it gives a config or a short ConfigError."""
+    try:
+        TieredKVConfig.from_mapping(mapping)
+    except ConfigError as exc:
+        assert len(str(exc)) < 2000
