@@ -121,6 +121,13 @@ def read_gguf(path: Path):
     except Exception as exc:  # gguf raises ValueError/IndexError/struct.error on truncation
         raise CorruptCheckpointError(f"{path}: GGUF file is truncated or malformed ({type(exc).__name__}: {exc})") from exc
     fields = {name: _gguf_field_value(f) for name, f in reader.fields.items()}
+    # every byte of the data section belongs to a listed tensor (plus alignment padding): bytes
+    # past the last one are a tensor the header does not list (a lowered tensor count)
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    trailing = path.stat().st_size - end
+    if reader.tensors and trailing >= max(int(getattr(reader, "alignment", 32)), 1):
+        raise CorruptCheckpointError(f"{path}: {trailing} bytes after the last tensor the header lists; the file holds "
+                                     "data of tensors its header does not count (truncated header or lowered count)")
     return reader, fields
 
 

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from tieredkv.errors import ContextLengthError
 from tieredkv.models.cache import KVCache
 from tieredkv.models.llama import Llama, decode_one_token, prefill
 
@@ -38,6 +39,14 @@ class EvalSession(abc.ABC):
 
 class EvalMethod(abc.ABC):
     name: str = "method"
+    #: the model's context in tokens (None: unknown); longer evaluations are refused
+    max_context: int | None = None
+
+    def check_length(self, tokens: int, what: str) -> None:
+        """ContextLengthError when ``tokens`` do not fit the model's context."""
+        if self.max_context is not None and tokens > self.max_context:
+            raise ContextLengthError(f"{what} of {tokens} tokens does not fit the model context of {self.max_context} "
+                                     "tokens; expected at most that")
 
     @abc.abstractmethod
     def open(self, context: Sequence[int], *, total_tokens: int | None = None) -> EvalSession:
@@ -132,6 +141,7 @@ class CacheMethod(EvalMethod):
     def __init__(self, model: Llama, cache_factory: Callable[[int], KVCache], *, name: str = "full",
                  prefill_chunk: int = 512, teacher_forcing_chunk: int = 256, info: dict | None = None) -> None:
         self.model, self.cache_factory, self.name = model, cache_factory, name
+        self.max_context = model.config.max_position_embeddings
         self.prefill_chunk, self.teacher_forcing_chunk = prefill_chunk, teacher_forcing_chunk
         self.info = info or {}
         self.totals = None  # merged cache metrics of all sessions (caches that keep metrics)

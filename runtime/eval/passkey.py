@@ -130,6 +130,7 @@ def run_trial(method: EvalMethod, tokenizer: Tokenizer, prompt: PasskeyPrompt, *
 
 def passkey(method: EvalMethod, tokenizer: Tokenizer, haystack: Sequence[int], *, context: int, trials: int,
             seed: int = 0, progress: bool = True) -> PasskeyResult:
+    method.check_length(context + 1, "--context (plus the answer's tokens)")
     t_start = time.perf_counter()
     results = []
     bar = tqdm(trial_prompts(tokenizer, haystack, context=context, trials=trials, seed=seed), total=trials,

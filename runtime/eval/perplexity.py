@@ -57,6 +57,7 @@ def context_length(window: int, context_fraction: float) -> int:
 
 def perplexity(method: EvalMethod, ids: Sequence[int], *, window: int, max_windows: int | None = None,
                context_fraction: float = 0.0, progress: bool = True) -> PerplexityResult:
+    method.check_length(window, "--window")
     windows = split_windows(ids, window, max_windows)
     ctx = context_length(window, context_fraction)
     total_nll, total_tokens, per_window = 0.0, 0, []

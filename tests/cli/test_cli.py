@@ -61,6 +61,7 @@ def test_eval_commands(tiny_gguf, tmp_path, capsys):
     (["generate", "--model", "llama-17b", "--prompt", "x"], "not a known model name"),
     (["info", "--preset", "gpt5"], "unknown shape preset"),
     (["eval", "passkey", "--context", "9000"], None),
+    (["eval", "perplexity", "--window", "4096"], None),
 ])
 def test_errors_are_clean(argv, needle, tiny_gguf, capsys):
     if needle is None:

@@ -91,6 +91,23 @@ def test_truncated_gguf(tmp_path):
             load_checkpoint(t)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_gguf_with_a_lowered_tensor_count(tmp_path, tied):
+    """A header counting one tensor fewer than the file holds (the last one, output.weight when
+    untied) is refused: it must not load with that tensor dropped (embeddings silently tied)."""
+    import struct
+
+    p = write_gguf(tmp_path / "m.gguf", tiny_model(tie_word_embeddings=tied))
+    data = bytearray(p.read_bytes())
+    (count,) = struct.unpack_from("<Q", data, 8)  # magic, version, then the tensor count
+    struct.pack_into("<Q", data, 8, count - 1)
+    bad = tmp_path / "lowered.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="bytes after the last tensor"):
+        load_checkpoint(bad)
+    assert load_checkpoint(p).config.tie_word_embeddings == tied
+
+
 def test_gguf_other_architecture(tmp_path):
     p = write_gguf(tmp_path / "m.gguf", tiny_model(), arch="gpt2")
     with pytest.raises(UnsupportedModelError, match="general.architecture='gpt2'"):
