@@ -17,8 +17,13 @@ The ONNX forms need the ``onnx`` extra: import them explicitly. The CUDA kernels
 ``plugins/csrc`` and, as PyTorch ops, in ``cuda_ops``.
 """
 
-from tieredkv.plugins.codec import decode_pages, encode_pages
-from tieredkv.plugins.importance_score import (
+#: the custom ONNX domain of the ops, the TensorRT plugin namespace and the version of every op
+DOMAIN = "tieredkv"
+PLUGIN_NAMESPACE = "tieredkv"
+PLUGIN_VERSION = "1"
+
+from tieredkv.plugins.codec import decode_pages, encode_pages  # noqa: E402
+from tieredkv.plugins.importance_score import (  # noqa: E402
     cosine_position_init,
     distance_bucket,
     importance_score,
@@ -26,10 +31,10 @@ from tieredkv.plugins.importance_score import (
     quest_upper_bound,
     relevance,
 )
-from tieredkv.plugins.kv_append import kv_append
-from tieredkv.plugins.select_pages import select_pages
-from tieredkv.plugins.tiered_attention import attention_over_pages, merge_attention, tiered_attention
+from tieredkv.plugins.kv_append import kv_append  # noqa: E402
+from tieredkv.plugins.select_pages import select_pages  # noqa: E402
+from tieredkv.plugins.tiered_attention import attention_over_pages, merge_attention, tiered_attention  # noqa: E402
 
-__all__ = ["attention_over_pages", "cosine_position_init", "decode_pages", "distance_bucket", "encode_pages",
+__all__ = ["DOMAIN", "PLUGIN_NAMESPACE", "PLUGIN_VERSION", "attention_over_pages", "cosine_position_init", "decode_pages", "distance_bucket", "encode_pages",
            "importance_score", "kv_append", "merge_attention", "position_value", "quest_upper_bound", "relevance",
            "select_pages", "tiered_attention"]

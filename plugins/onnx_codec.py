@@ -21,9 +21,7 @@ from onnx import FunctionProto, ModelProto, TensorProto, helper
 
 from tieredkv.plugins.codec import FP8_MAX, FP16_MAX, CodecSpec
 
-DOMAIN = "tieredkv"
-PLUGIN_NAMESPACE = "tieredkv"
-PLUGIN_VERSION = "1"
+from tieredkv.plugins import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION  # noqa: E402  (re-exported)
 OPSET = 21
 _ATTRS = ["plugin_namespace", "plugin_version"]
 

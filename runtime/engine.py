@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +30,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from tieredkv.errors import ConfigError, TieredKVError
+from tieredkv.errors import ConfigError, TieredKVError, short
 from tieredkv.models.cache import KVCache, KVSpec
 from tieredkv.models.config import LlamaConfig
+from tieredkv.plugins import PLUGIN_VERSION
+from tieredkv.plugins.codec import CODECS
 
 __all__ = ["ENGINE_FORMAT", "ENGINE_FORMAT_VERSION", "CONFIG_FILE", "STEP_GRAPH", "TRT_ENGINE", "EngineInfo",
            "EngineError", "BackendUnavailableError", "read_engine_dir", "OnnxRuntimeBackend", "TensorRTBackend",
@@ -42,6 +45,8 @@ ENGINE_FORMAT_VERSION = 2
 CONFIG_FILE = "config.json"
 STEP_GRAPH = "step.onnx"
 TRT_ENGINE = "step.plan"
+#: the TensorRT plugin library to load when none is passed (``TensorRTBackend(plugin_library=)``)
+PLUGINS_ENV = "TIEREDKV_TRT_PLUGINS"
 
 
 class EngineError(TieredKVError):
@@ -68,8 +73,22 @@ class EngineInfo:
     raw: dict[str, Any]
 
 
+def _inside(root: Path, name: object, what: str) -> Path:
+    """``root / name`` for a relative path that stays inside ``root`` (EngineError otherwise): an
+    engine directory's config.json names files of that directory only."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute():
+        raise EngineError(f"{root / CONFIG_FILE}: {what} must be a relative path inside the engine directory, got "
+                          f"{short(name)}")
+    target = (root / name).resolve()
+    if target != root.resolve() and root.resolve() not in target.parents:
+        raise EngineError(f"{root / CONFIG_FILE}: {what} {name!r} leaves the engine directory; expected a path inside "
+                          "it")
+    return root / name
+
+
 def read_engine_dir(path: str | Path) -> EngineInfo:
-    """Read and check an engine directory; raises :class:`EngineError` naming what is wrong."""
+    """Read and check an engine directory; raises :class:`EngineError` naming what is wrong.
+    Every file it names must lie inside it."""
     path = Path(path).expanduser()
     cfg_file = path / CONFIG_FILE
     if not path.is_dir():
@@ -87,11 +106,22 @@ def read_engine_dir(path: str | Path) -> EngineInfo:
     try:
         model = LlamaConfig.from_dict(raw["model"])
         build = raw["build"]
-        graph = path / raw["graphs"]["step"]["file"]
+        graph = _inside(path, raw["graphs"]["step"]["file"], "the step graph")
         trt = build.get("tensorrt_engine")
+        trt = trt and _inside(path, trt, "the TensorRT engine").relative_to(path).as_posix()
+        if raw.get("tokenizer") is not None:
+            _inside(path, raw["tokenizer"], "the tokenizer directory")
+        warm_codec = build.get("warm_codec")
+        if warm_codec is not None and (warm_codec not in CODECS or CODECS[warm_codec].keyframe):
+            raise EngineError(f"{cfg_file}: build.warm_codec {short(warm_codec)} is not a codec an engine reads; "
+                              f"expected one of {sorted(n for n, c in CODECS.items() if not c.keyframe)} or null")
+        versions = raw["ops"]["versions"]
+        if not isinstance(versions, dict) or any(v != PLUGIN_VERSION for v in versions.values()):
+            raise EngineError(f"{cfg_file}: op versions {short(versions)}; this tieredkv runs version {PLUGIN_VERSION} "
+                              "of every op: rebuild the engine")
         info = EngineInfo(path=path, model=model, tiered_kv=bool(raw["tiered_kv"]), page_size=int(build["page_size"]),
                           selection_weights=tuple(float(x) for x in build["selection_weights"]),
-                          warm_codec=build.get("warm_codec"), graph=graph,
+                          warm_codec=warm_codec, graph=graph,
                           tensorrt_engine=path / trt if trt else None, raw=raw)
     except (KeyError, TypeError, ValueError) as exc:
         raise EngineError(f"{cfg_file}: incomplete engine config (missing or bad {exc})") from None
@@ -115,6 +145,35 @@ class _Backend(abc.ABC):
     def kv_spec(self) -> KVSpec:
         c = self.config
         return KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32)
+
+    def check_graph(self, inputs: dict[str, list], outputs: dict[str, list]) -> None:
+        """The graph is the one config.json describes: the inputs and outputs of an engine with
+        its layers, tiered and warm options (``StepFeeds`` / ``StepOutputs``), and the
+        dimensions its model, page size and codec fix. EngineError otherwise."""
+        from tieredkv.plugins.codec import page_bytes
+        from tieredkv.runtime.tiered.engine_io import StepFeeds, StepOutputs
+
+        eng, c = self.engine, self.config
+        warm = eng.warm_codec is not None
+        for kind, got, want in (("inputs", list(inputs), StepFeeds.names(c.num_layers, tiered_kv=eng.tiered_kv,
+                                                                          warm=warm)),
+                                ("outputs", list(outputs), StepOutputs.names(c.num_layers, tiered_kv=eng.tiered_kv))):
+            if got != want:
+                raise EngineError(f"{eng.graph}: its {kind} {short(got)} are not those of the engine {CONFIG_FILE} "
+                                  f"describes ({c.num_layers} layers, tiered {eng.tiered_kv}, warm codec "
+                                  f"{eng.warm_codec}): expected {short(want)}; rebuild the engine")
+        fixed = {"k_pool_0": (1, [c.num_kv_heads, eng.page_size, c.head_dim]), "logits": (2, [c.vocab_size])}
+        if eng.tiered_kv:
+            fixed["key_min"] = (3, [c.num_kv_heads, c.head_dim])
+        if warm:
+            fixed["warm_pool_0"] = (1, [page_bytes(CODECS[eng.warm_codec], c.num_kv_heads, eng.page_size,
+                                                   c.head_dim)])
+        shapes = {**inputs, **outputs}
+        for name, (start, want) in fixed.items():
+            got = list(shapes[name][start:])
+            if got != want:
+                raise EngineError(f"{eng.graph}: {name} has dimensions {short(got)} from axis {start}; the engine's "
+                                  f"{CONFIG_FILE} (model, page size, codec) says {want}; rebuild the engine")
 
     def check_cache(self, cache: KVCache) -> None:
         """The cache must be the tiered cache with the engine's page size and selection mix; a
@@ -194,10 +253,16 @@ class OnnxRuntimeBackend(_Backend):
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads or torch.get_num_threads()
         opts.inter_op_num_threads = 1
-        self.session = ort.InferenceSession(str(self.engine.graph), opts, providers=providers)
+        try:
+            self.session = ort.InferenceSession(str(self.engine.graph), opts, providers=providers)
+        except Exception as exc:  # onnxruntime raises its own Fail / InvalidProtobuf / NoSuchFile types
+            raise EngineError(f"{self.engine.graph}: ONNX Runtime cannot load the step graph ({type(exc).__name__}: "
+                              f"{short(str(exc), 300)}); rebuild the engine") from None
         self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
+        self.check_graph({i.name: i.shape for i in self.session.get_inputs()},
+                         {o.name: o.shape for o in self.session.get_outputs()})
 
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         missing = set(self.input_names) - set(feeds)
@@ -222,8 +287,10 @@ _NP_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.b
 
 class TensorRTBackend(_Backend):
     """The engine's serialized TensorRT engine (``step.plan``, built on a GPU machine by
-    ``build_engine.py`` where TensorRT is installed, with the tieredkv plugin library).
-    Importable without TensorRT; constructing it there raises BackendUnavailableError."""
+    ``build_engine.py`` where TensorRT is installed, with the tieredkv plugin library, which it
+    loads from ``plugin_library`` or ``$TIEREDKV_TRT_PLUGINS``: never from a path in
+    config.json). Importable without TensorRT; constructing it there raises
+    BackendUnavailableError."""
 
     name = "tensorrt"
 
@@ -241,7 +308,9 @@ class TensorRTBackend(_Backend):
         if self.engine.tensorrt_engine is None or not self.engine.tensorrt_engine.is_file():
             raise EngineError(f"{self.engine.path} holds no TensorRT engine ({TRT_ENGINE}); rebuild it on a machine "
                               "with TensorRT: python builder/build_engine.py --tiered-kv ... --force")
-        lib = plugin_library or self.engine.raw["build"].get("plugin_library")
+        # only a library the caller names is loaded: a path in config.json is where it was at build time,
+        # and loading a library is running its code
+        lib = plugin_library or os.environ.get(PLUGINS_ENV)
         if lib:
             trt.get_plugin_registry().load_library(str(lib))
         self._trt = trt
@@ -312,6 +381,7 @@ def load_engine(engine_dir: str | Path, backend: str = "auto", **kwargs):
 
     runner = load_backend(engine_dir, backend, **kwargs)
     tok_dir = runner.engine.raw.get("tokenizer")
-    tokenizer = Tokenizer.from_hf_dir(runner.engine.path / tok_dir) if tok_dir else None
+    tokenizer = Tokenizer.from_hf_dir(_inside(runner.engine.path, tok_dir, "the tokenizer directory")) if tok_dir \
+        else None
     return LoadedModel(model=runner, tokenizer=tokenizer, config=runner.config, source=runner.engine.path,
                        format=f"engine ({runner.name})")

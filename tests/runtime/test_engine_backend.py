@@ -277,3 +277,53 @@ def test_cli_eval_passkey_with_engine_equals_the_model(built, tmp_path, capsys):
     assert results[0][0] == results[1][0]
     assert results[0][1] == pytest.approx(results[1][1], abs=1e-3)
     assert results[0][2]["misses"] == results[1][2]["misses"] > 0
+
+
+def test_an_engine_directory_names_nothing_outside_itself(built, tmp_path):
+    """config.json may not point the graph, the TensorRT engine or the tokenizer outside the
+    directory (an absolute path, ../, a link out); EngineError before anything is read."""
+    for key, value in ((("graphs", "step", "file"), "/etc/passwd"), (("graphs", "step", "file"), "../outside.onnx"),
+                       (("build", "tensorrt_engine"), "/tmp/x.plan"), (("tokenizer",), "../../tok"),
+                       (("graphs", "step", "file"), 7)):
+        eng = tmp_path / f"eng{abs(hash((key, str(value)))) % 10**6}"
+        shutil.copytree(built[1], eng)
+        cfg = json.loads((eng / "config.json").read_text())
+        node = cfg
+        for k in key[:-1]:
+            node = node[k]
+        node[key[-1]] = value
+        (eng / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(EngineError, match="relative path inside|leaves the engine directory"):
+            read_engine_dir(eng)
+    eng = tmp_path / "linked"
+    shutil.copytree(built[1], eng)
+    (tmp_path / "other.onnx").write_bytes((eng / "step.onnx").read_bytes())
+    (eng / "step.onnx").unlink()
+    (eng / "step.onnx").symlink_to(tmp_path / "other.onnx")
+    with pytest.raises(EngineError, match="leaves the engine directory"):
+        read_engine_dir(eng)
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda eng: (eng / "step.onnx").write_bytes((eng / "step.onnx").read_bytes()[:5000]), "cannot load the step graph"),
+    (lambda eng: (eng / "step.onnx").write_bytes(b"not a protobuf at all"), "cannot load the step graph"),
+    (lambda eng: _edit(eng, lambda c: c["model"].update(num_kv_heads=1, num_heads=4)), "k_pool_0 has dimensions"),
+    (lambda eng: _edit(eng, lambda c: c["model"].update(num_layers=3)), "are not those of the engine"),
+    (lambda eng: _edit(eng, lambda c: c["build"].update(page_size=8)), "k_pool_0 has dimensions"),
+    (lambda eng: _edit(eng, lambda c: c.update(tiered_kv=False)), "are not those of the engine"),
+    (lambda eng: _edit(eng, lambda c: c["build"].update(warm_codec="zstd")), "not a codec an engine reads"),
+    (lambda eng: _edit(eng, lambda c: c["build"].update(warm_codec="int4")), "are not those of the engine"),
+    (lambda eng: _edit(eng, lambda c: c["ops"]["versions"].update(KVAppend="7")), "op versions"),
+])
+def test_an_engine_must_match_its_config(built, tmp_path, damage, match):
+    eng = tmp_path / "eng"
+    shutil.copytree(built[1], eng)
+    damage(eng)
+    with pytest.raises(EngineError, match=match):
+        OnnxRuntimeBackend(eng, threads=1)
+
+
+def _edit(eng, change) -> None:
+    cfg = json.loads((eng / "config.json").read_text())
+    change(cfg)
+    (eng / "config.json").write_text(json.dumps(cfg))
