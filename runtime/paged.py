@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tieredkv.errors import ConfigError, KVCacheFullError
+from tieredkv.errors import ConfigError, KVCacheFullError, short
 from tieredkv.models.cache import KVCache, KVSpec, Step, attention, causal_mask
 
 
@@ -32,12 +32,18 @@ class PagedCacheConfig:
     initial_pages: int = 64
 
     def __post_init__(self) -> None:
-        if not isinstance(self.page_size, int) or self.page_size <= 0:
-            raise ConfigError(f"page_size must be a positive integer, got {self.page_size!r}")
-        if self.max_pages is not None and (not isinstance(self.max_pages, int) or self.max_pages <= 0):
-            raise ConfigError(f"max_pages must be a positive integer or None, got {self.max_pages!r}")
-        if not isinstance(self.initial_pages, int) or self.initial_pages <= 0:
-            raise ConfigError(f"initial_pages must be a positive integer, got {self.initial_pages!r}")
+        from tieredkv.runtime.tiered.config import MAX_PAGE_SIZE
+
+        if not _integer_in(self.page_size, 1, MAX_PAGE_SIZE):
+            raise ConfigError(f"page_size must be an integer in [1, {MAX_PAGE_SIZE}], got {short(self.page_size)}")
+        if self.max_pages is not None and not _integer_in(self.max_pages, 1, 1 << 40):
+            raise ConfigError(f"max_pages must be a positive integer or None, got {short(self.max_pages)}")
+        if not _integer_in(self.initial_pages, 1, 1 << 20):
+            raise ConfigError(f"initial_pages must be an integer in [1, {1 << 20}], got {short(self.initial_pages)}")
+
+
+def _integer_in(value, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 class PagePool:
