@@ -208,60 +208,54 @@ class LlamaConfig:
         arch = fields.get("general.architecture")
         if arch != "llama":
             raise UnsupportedModelError(
-                f"{source}: general.architecture={arch!r}; expected 'llama'"
+                f"{source}: general.architecture={short(arch)}; expected 'llama'"
             )
 
-        def need(key: str) -> Any:
-            if key not in fields:
-                raise CorruptCheckpointError(f"{source}: missing GGUF metadata key {key!r}")
-            return fields[key]
-
-        hidden = int(need("llama.embedding_length"))
-        heads = int(need("llama.attention.head_count"))
-        kv_heads = int(fields.get("llama.attention.head_count_kv", heads))
-        head_dim = int(fields.get("llama.attention.key_length", fields.get("llama.rope.dimension_count", hidden // heads)))
-        vocab = fields.get("llama.vocab_size")
+        read = _HFReader(fields, source)  # the same typed reads: a GGUF key is a field name here
+        hidden = read.integer("llama.embedding_length")
+        heads = read.integer("llama.attention.head_count")
+        kv_heads = read.integer("llama.attention.head_count_kv", heads)
+        head_dim = read.integer("llama.attention.key_length", None) or read.integer("llama.rope.dimension_count", None)
+        vocab = read.integer("llama.vocab_size", None)
         if vocab is None:
             tokens = fields.get("tokenizer.ggml.tokens")
-            if tokens is None:
+            if not isinstance(tokens, list):
                 raise CorruptCheckpointError(f"{source}: neither llama.vocab_size nor tokenizer.ggml.tokens present")
             vocab = len(tokens)
         scaling = None
         stype = fields.get("llama.rope.scaling.type")
         if stype == "linear":
-            scaling = RopeScaling(rope_type="linear", factor=float(need("llama.rope.scaling.factor")))
+            scaling = RopeScaling(rope_type="linear", factor=read.number("llama.rope.scaling.factor"))
         elif stype not in (None, "none"):
-            raise UnsupportedModelError(f"{source}: llama.rope.scaling.type={stype!r}; expected 'linear' or none")
+            raise UnsupportedModelError(f"{source}: llama.rope.scaling.type={short(stype)}; expected 'linear' or none")
         if rope_freq_factors and scaling is not None:
             raise UnsupportedModelError(f"{source}: both rope_freqs.weight and llama.rope.scaling.type are set")
-        eos = fields.get("tokenizer.ggml.eos_token_id")
-        eos_ids = (int(eos),) if eos is not None else ()
-        eot = fields.get("tokenizer.ggml.eot_token_id")
-        if eot is not None and int(eot) not in eos_ids:
-            eos_ids = eos_ids + (int(eot),)
+        eos_ids = tuple(dict.fromkeys(read.token_ids(key, [fields[key]])[0] for key in (
+            "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if fields.get(key) is not None))
         bos = fields.get("tokenizer.ggml.bos_token_id")
         return cls(
-            vocab_size=int(vocab),
+            vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(need("llama.feed_forward_length")),
-            num_layers=int(need("llama.block_count")),
+            intermediate_size=read.integer("llama.feed_forward_length"),
+            num_layers=read.integer("llama.block_count"),
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            rope_theta=float(fields.get("llama.rope.freq_base", 10000.0)),
+            head_dim=head_dim or 0,
+            rope_theta=read.number("llama.rope.freq_base", 10000.0),
             rope_scaling=scaling,
-            rms_norm_eps=float(fields.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-            max_position_embeddings=int(fields.get("llama.context_length", 4096)),
+            rms_norm_eps=read.number("llama.attention.layer_norm_rms_epsilon", 1e-5),
+            max_position_embeddings=read.integer("llama.context_length", 4096),
             tie_word_embeddings=not has_output_weight,
-            bos_token_id=int(bos) if bos is not None else None,
+            bos_token_id=read.token_ids("tokenizer.ggml.bos_token_id", [bos])[0] if bos is not None else None,
             eos_token_ids=eos_ids,
-            name=str(fields.get("general.name") or Path(source).stem),
+            name=str(fields.get("general.name") or Path(source).stem)[:200],
         )
 
 
 class _HFReader:
-    """Typed reads of a Hugging Face config.json mapping; CorruptCheckpointError naming the file
-    and the field when a value is missing or of the wrong type."""
+    """Typed reads of a Hugging Face config.json mapping (or of GGUF metadata, key -> value);
+    CorruptCheckpointError naming the file and the field when a value is missing or of the
+    wrong type."""
 
     _MISSING = object()
 
@@ -272,6 +266,8 @@ class _HFReader:
         value = (self.cfg if table is None else table).get(key, default)
         if value is self._MISSING:
             raise CorruptCheckpointError(f"{self.source}: missing required field {key!r}")
+        if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # a numpy scalar (GGUF metadata)
+            value = value.item()
         return value
 
     def _bad(self, key: str, value: Any, expected: str) -> CorruptCheckpointError:

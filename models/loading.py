@@ -20,6 +20,7 @@ from tieredkv.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     UnsupportedModelError,
+    short,
 )
 from tieredkv.models.config import LlamaConfig
 from tieredkv.models.llama import Llama, rope_inv_freq
@@ -41,16 +42,32 @@ def _empty_model(config: LlamaConfig) -> Llama:
     return model
 
 
-def _assign(model: Llama, name: str, tensor: torch.Tensor, source: str) -> None:
+def _parameter(model: Llama, name: str, source: str) -> tuple[nn.Module, str, nn.Parameter]:
+    """(module, attribute, the parameter) a checkpoint tensor ``name`` fills; CorruptCheckpointError
+    when the model of this config has no such parameter."""
     module_name, _, pname = name.rpartition(".")
-    module = model.get_submodule(module_name) if module_name else model
+    try:
+        module = model.get_submodule(module_name) if module_name else model
+    except AttributeError:
+        module = None
     current = getattr(module, pname, None)
     if not isinstance(current, nn.Parameter):
-        raise CorruptCheckpointError(f"{source}: tensor {name!r} does not belong to a Llama model")
-    if tuple(current.shape) != tuple(tensor.shape):
-        raise CorruptCheckpointError(
-            f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}; expected {tuple(current.shape)} from the config"
-        )
+        raise CorruptCheckpointError(f"{source}: tensor {short(name)} does not belong to a Llama model of this config")
+    return module, pname, current
+
+
+def _check_shape(model: Llama, name: str, shape: tuple[int, ...], source: str) -> None:
+    expected = tuple(_parameter(model, name, source)[2].shape)
+    if tuple(shape) != expected:
+        raise CorruptCheckpointError(f"{source}: tensor {name!r} has shape {tuple(shape)}; expected {expected} from "
+                                     "the config")
+
+
+def _assign(model: Llama, name: str, tensor: torch.Tensor, source: str) -> None:
+    module, pname, _ = _parameter(model, name, source)
+    _check_shape(model, name, tuple(tensor.shape), source)
+    if not bool(torch.isfinite(tensor).all()):
+        raise CorruptCheckpointError(f"{source}: tensor {name!r} holds NaN or infinite values")
     setattr(module, pname, nn.Parameter(tensor, requires_grad=False))
 
 
@@ -166,15 +183,22 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
         arr = _dequantize(t, source)
         if t.name == "rope_freqs.weight":
             # llama.cpp's frequency factors (Llama 3.1): theta_i = base^(-2i/d) / factor_i
-            inv_freq = rope_inv_freq(config) / torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+            factors = np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
+            if factors.shape != (config.head_dim // 2,) or not (np.isfinite(factors) & (factors > 0)).all():
+                raise CorruptCheckpointError(f"{source}: rope_freqs.weight must hold {config.head_dim // 2} finite "
+                                             f"positive factors (head dim {config.head_dim}), got {factors.size} values")
+            inv_freq = rope_inv_freq(config) / torch.from_numpy(factors)
             continue
         if t.name in _GGUF_GLOBAL:
             name = _GGUF_GLOBAL[t.name]
         else:
             parts = t.name.split(".")
-            if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_BLOCK or parts[3] != "weight":
-                raise UnsupportedModelError(f"{source}: unexpected tensor {t.name!r} for a Llama model")
+            if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_BLOCK or parts[3] != "weight" \
+                    or not parts[1].isdigit() or int(parts[1]) >= config.num_layers:
+                raise UnsupportedModelError(f"{source}: unexpected tensor {short(t.name)} for a Llama model of "
+                                            f"{config.num_layers} layers")
             name = f"layers.{int(parts[1])}.{_GGUF_BLOCK[parts[2]]}.weight"
+            _check_shape(model, name, arr.shape, source)  # before the permutation reshapes it
             if parts[2] == "attn_q":
                 arr = unpermute_rope_rows(arr, config.num_heads)
             elif parts[2] == "attn_k":
@@ -190,10 +214,17 @@ def _safetensor_files(path: Path) -> list[Path]:
     single = path / "model.safetensors"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise CorruptCheckpointError(f"{index}: not a safetensors index (needs a 'weight_map')") from exc
-        files = [path / f for f in dict.fromkeys(weight_map.values())]
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("weight_map is not a table of tensor name -> file name")
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            raise CorruptCheckpointError(f"{index}: not a safetensors index (needs a 'weight_map' of tensor name -> "
+                                         f"shard file name: {short(str(exc), 120)})") from None
+        files = []
+        for name in dict.fromkeys(weight_map.values()):
+            if Path(name).name != name or name in (".", ".."):
+                raise CorruptCheckpointError(f"{index}: shard {short(name)} is not a file name in the model directory")
+            files.append(path / name)
         for f in files:
             if not f.is_file():
                 raise CheckpointNotFoundError(f"{f}: shard listed in {index.name} not found")

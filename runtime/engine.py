@@ -96,10 +96,10 @@ def read_engine_dir(path: str | Path) -> EngineInfo:
     if not cfg_file.is_file():
         raise EngineError(f"{path}: not an engine directory ({CONFIG_FILE} is missing)")
     try:
-        raw = json.loads(cfg_file.read_text())
+        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
         fmt, version = raw["format"], raw["format_version"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise EngineError(f"{cfg_file}: not a tieredkv engine config ({exc})") from None
+    except (ValueError, KeyError, TypeError, OSError) as exc:  # JSON and UTF-8 errors are ValueErrors
+        raise EngineError(f"{cfg_file}: not a tieredkv engine config ({short(str(exc), 200)})") from None
     if fmt != ENGINE_FORMAT or version != ENGINE_FORMAT_VERSION:
         raise EngineError(f"{cfg_file}: format {fmt!r} version {version!r}; this tieredkv reads {ENGINE_FORMAT!r} "
                           f"version {ENGINE_FORMAT_VERSION} — rebuild the engine with this version's builder")
@@ -119,12 +119,18 @@ def read_engine_dir(path: str | Path) -> EngineInfo:
         if not isinstance(versions, dict) or any(v != PLUGIN_VERSION for v in versions.values()):
             raise EngineError(f"{cfg_file}: op versions {short(versions)}; this tieredkv runs version {PLUGIN_VERSION} "
                               "of every op: rebuild the engine")
-        info = EngineInfo(path=path, model=model, tiered_kv=bool(raw["tiered_kv"]), page_size=int(build["page_size"]),
+        tiered, page_size, weights = raw["tiered_kv"], build["page_size"], build["selection_weights"]
+        if not isinstance(tiered, bool) or isinstance(page_size, bool) or not isinstance(page_size, int) \
+                or not isinstance(weights, list) or len(weights) != 3 \
+                or not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights):
+            raise TypeError(f"tiered_kv {short(tiered)} (expected true or false), build.page_size {short(page_size)} "
+                            f"(expected an integer), build.selection_weights {short(weights)} (expected 3 numbers)")
+        info = EngineInfo(path=path, model=model, tiered_kv=tiered, page_size=page_size,
                           selection_weights=tuple(float(x) for x in build["selection_weights"]),
                           warm_codec=warm_codec, graph=graph,
                           tensorrt_engine=path / trt if trt else None, raw=raw)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise EngineError(f"{cfg_file}: incomplete engine config (missing or bad {exc})") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise EngineError(f"{cfg_file}: incomplete engine config (missing or bad {short(str(exc), 200)})") from None
     if not graph.is_file():
         raise EngineError(f"{path}: the step graph {graph.name} is missing")
     return info

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from tieredkv.errors import ConfigError
+from tieredkv.errors import ConfigError, short
+
+#: the smallest sampling temperature (other than 0, greedy) and the largest
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those
-    filters. ``seed`` makes sampling reproducible per sequence: a prompt sampled alone
-    or in a batch gives the same tokens. ``stop`` strings end generation and are not
-    part of the returned text.
+    ``temperature == 0`` is greedy; otherwise it lies in [MIN_TEMPERATURE, MAX_TEMPERATURE]
+    (below, dividing the logits overflows float32; above, sampling is uniform noise).
+    ``top_k == 0`` and ``top_p == 1`` disable those filters. ``seed`` (an integer in
+    [0, 2^63)) makes sampling reproducible per sequence: a prompt sampled alone or in a batch
+    gives the same tokens. ``stop`` strings end generation and are not part of the returned
+    text.
     """
 
     max_new_tokens: int = 128
@@ -28,14 +34,24 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ConfigError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        def integer(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def number(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        if not integer(self.max_new_tokens) or not 1 <= self.max_new_tokens <= 1 << 24:
+            raise ConfigError(f"max_new_tokens must be an integer in [1, {1 << 24}], got {short(self.max_new_tokens)}")
+        if not number(self.temperature) or not (self.temperature == 0
+                                                or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            raise ConfigError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got "
+                              f"{short(self.temperature)}")
+        if not integer(self.top_k) or self.top_k < 0:
+            raise ConfigError(f"top_k must be an integer >= 0, got {short(self.top_k)}")
+        if not number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {short(self.top_p)}")
+        if self.seed is not None and (not integer(self.seed) or not 0 <= self.seed < 1 << 63):
+            raise ConfigError(f"seed must be an integer in [0, 2^63), got {short(self.seed)}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if any(not s for s in self.stop):

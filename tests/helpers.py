@@ -42,24 +42,37 @@ def tiny_vocab() -> tuple[list[str], list[str], list[int]]:
 
 
 def write_gguf(path: Path, model: Llama, *, qtype: str = "F32", arch: str = "llama", with_tokenizer: bool = True,
-               pre: str = "smollm", drop: tuple[str, ...] = (), raw_override: dict | None = None) -> Path:
+               pre: str = "smollm", drop: tuple[str, ...] = (), raw_override: dict | None = None,
+               meta: dict | None = None, extra_tensors: dict | None = None) -> Path:
     """Write ``model`` as a llama.cpp-style GGUF. ``qtype`` applies to 2-D weights (norms stay F32).
     ``drop`` omits tensors (GGUF names); ``raw_override`` maps a GGUF tensor name to
-    (uint8 array, GGMLQuantizationType) written verbatim."""
+    (uint8 array, GGMLQuantizationType) written verbatim; ``meta`` replaces metadata values by
+    key (``llama.embedding_length``: "abc" writes a string there), typed by their Python type;
+    ``extra_tensors`` adds float32 tensors by GGUF name."""
     import gguf
 
     c = model.config
+    meta = dict(meta or {})
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny-test")
-    w.add_block_count(c.num_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_heads)
-    w.add_head_count_kv(c.num_kv_heads)
-    w.add_rope_freq_base(c.rope_theta)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
+    standard = {"block_count": c.num_layers, "context_length": c.max_position_embeddings,
+                "embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
+                "attention.head_count": c.num_heads, "attention.head_count_kv": c.num_kv_heads,
+                "rope.freq_base": c.rope_theta, "attention.layer_norm_rms_epsilon": c.rms_norm_eps,
+                "vocab_size": c.vocab_size}
+    for key, value in standard.items():
+        meta.setdefault(f"{arch}.{key}", value)
+    for key, value in meta.items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value) if value >= 0 else w.add_int32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_array(key, list(value))
     if with_tokenizer:
         tokens, merges, types = tiny_vocab()
         tokens = tokens + [f"<unused{i}>" for i in range(c.vocab_size - len(tokens))]
@@ -94,6 +107,8 @@ def write_gguf(path: Path, model: Llama, *, qtype: str = "F32", arch: str = "lla
             w.add_tensor(gname, data, raw_dtype=raw_type)
             continue
         arr = p.detach().float().numpy().copy()
+        if gname in (extra_tensors or {}):
+            arr = np.asarray(extra_tensors.pop(gname), dtype=np.float32)
         if gname.endswith("attn_q.weight"):
             arr = permute_rope_rows(arr, c.num_heads)
         elif gname.endswith("attn_k.weight"):
@@ -103,6 +118,8 @@ def write_gguf(path: Path, model: Llama, *, qtype: str = "F32", arch: str = "lla
             w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=qt)
         else:
             w.add_tensor(gname, arr.astype(np.float32))
+    for gname, arr in (extra_tensors or {}).items():
+        w.add_tensor(gname, np.asarray(arr, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

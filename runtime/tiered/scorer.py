@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tieredkv.errors import ConfigError, CorruptCheckpointError
+from tieredkv.errors import ConfigError, CorruptCheckpointError, short
 from tieredkv.plugins.importance_score import cosine_position_init, position_value
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
@@ -67,11 +67,15 @@ class ImportanceScorer(nn.Module):
             with safe_open(str(path), framework="pt") as f:
                 info = json.loads((f.metadata() or {})["tieredkv_scorer"])
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except (KeyError, json.JSONDecodeError, OSError, RuntimeError) as exc:
-            raise CorruptCheckpointError(f"{path}: not a tieredkv scorer weights file ({exc})") from exc
-        scorer = cls(info["num_layers"], info["head_dim"], num_buckets=info["num_buckets"], hidden=info["hidden"],
-                     weights=weights)
-        scorer.load_state_dict(tensors)
+            shape = {k: info[k] for k in ("num_layers", "head_dim", "num_buckets", "hidden")}
+            if not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 1 << 16 for v in shape.values()):
+                raise ValueError(f"shape fields {short(shape)}")
+            scorer = cls(shape["num_layers"], shape["head_dim"], num_buckets=shape["num_buckets"],
+                         hidden=shape["hidden"], weights=weights)
+            scorer.load_state_dict(tensors)
+        except Exception as exc:  # safetensors raises its own SafetensorError; torch a RuntimeError on shapes
+            raise CorruptCheckpointError(f"{path}: not a tieredkv scorer weights file ({type(exc).__name__}: "
+                                         f"{short(str(exc), 200)})") from None
         scorer.source = str(path)
         scorer.meta = info
         return scorer.requires_grad_(False)

@@ -5,7 +5,7 @@ import zipfile
 
 import pytest
 
-from tieredkv.errors import CorruptCheckpointError, DownloadError, UnknownModelError
+from tieredkv.errors import CorruptCheckpointError, DataFileError, DownloadError, UnknownModelError
 from tieredkv.models import hub
 
 
@@ -106,5 +106,5 @@ def test_an_unwritable_cache_is_a_typed_error(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     monkeypatch.setenv(hub.CACHE_ENV, str(blocker))
-    with pytest.raises(DownloadError, match="cannot create the model cache directory"):
+    with pytest.raises(DataFileError, match="cannot use the tieredkv cache directory"):
         hub.pull()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import logits_of, tiny_model, write_gguf
-from tieredkv.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedModelError
+from tieredkv.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UnsupportedModelError
 from tieredkv.models.hf_compat import save_hf_checkpoint
 from tieredkv.models.loading import load_checkpoint, permute_rope_rows, unpermute_rope_rows
 
@@ -197,3 +197,41 @@ def test_hf_tokenizer_json(tmp_path, template_bos):
     assert tok.bos_token_id == 1 and tok.eos_token_ids == (2,) and tok.add_bos == template_bos
     ids = tok.encode("the cat")
     assert (ids[0] == 1) == template_bos and tok.decode(ids) == "the cat"
+
+
+@pytest.mark.parametrize("meta,error,match", [
+    ({"llama.embedding_length": "abc"}, CorruptCheckpointError, "llama.embedding_length must be an integer"),
+    ({"llama.attention.head_count": 0}, ConfigError, r"num_heads must be an integer in \[1, 1024\]"),
+    ({"llama.attention.head_count": [4, 4]}, CorruptCheckpointError, "head_count must be an integer"),
+    ({"llama.attention.layer_norm_rms_epsilon": "tiny"}, CorruptCheckpointError, "epsilon must be a finite number"),
+    ({"llama.block_count": 100_000_000}, ConfigError, r"num_layers must be an integer in \[1, 1024\]"),
+    ({"llama.rope.freq_base": float("nan")}, CorruptCheckpointError, "freq_base must be a finite number"),
+])
+def test_gguf_metadata_is_typed(tmp_path, meta, error, match):
+    p = write_gguf(tmp_path / "m.gguf", tiny_model(), meta=meta)
+    with pytest.raises(error, match=match):
+        load_checkpoint(p)
+
+
+@pytest.mark.parametrize("extra,error,match", [
+    ({"blk.x.attn_q.weight": np.zeros((4, 4))}, UnsupportedModelError, "unexpected tensor 'blk.x.attn_q.weight'"),
+    ({"blk.99.attn_q.weight": np.zeros((4, 4))}, UnsupportedModelError, "blk.99.attn_q.weight' for a Llama model of 2"),
+    ({"blk.0.attn_v.weight": np.zeros((3, 64))}, CorruptCheckpointError, r"has shape \(3, 64\); expected"),
+    ({"rope_freqs.weight": np.ones(5)}, CorruptCheckpointError, "rope_freqs.weight must hold 8 finite positive"),
+    ({"rope_freqs.weight": np.zeros(8)}, CorruptCheckpointError, "rope_freqs.weight must hold 8 finite positive"),
+    ({"token_embd.weight": np.full((512, 64), np.nan)}, CorruptCheckpointError, "NaN or infinite"),
+])
+def test_gguf_tensors_are_checked_before_use(tmp_path, extra, error, match):
+    p = write_gguf(tmp_path / "m.gguf", tiny_model(), extra_tensors=extra)
+    with pytest.raises(error, match=match):
+        load_checkpoint(p)
+
+
+def test_safetensors_index_is_confined_and_typed(tmp_path):
+    d = save_hf_checkpoint(tiny_model(), tmp_path / "hf")
+    (d / "model.safetensors").rename(d / "shard.safetensors")
+    for weight_map, match in (({"x": "../outside.safetensors"}, "not a file name"), ({"x": "/etc/passwd"}, "not a file name"),
+                              ([1, 2], "not a safetensors index"), ({"x": 3}, "not a safetensors index")):
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(CorruptCheckpointError, match=match):
+            load_checkpoint(d)
