@@ -49,7 +49,7 @@ if __package__ in (None, ""):  # run as a script from a checkout: import the ins
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tieredkv.plugins.codec import DEFAULT_CODEC  # noqa: E402
-from tieredkv.errors import EngineBuildError, TieredKVError  # noqa: E402
+from tieredkv.errors import EngineBuildError, TieredKVError, short  # noqa: E402
 from tieredkv.runtime.engine import (  # noqa: E402
     CONFIG_FILE,
     ENGINE_FORMAT,
@@ -60,6 +60,8 @@ from tieredkv.runtime.engine import (  # noqa: E402
 
 EXIT_VERIFY, EXIT_INPUT = 1, 2
 TOKENIZER_DIR = "tokenizer"
+#: what an engine directory holds (anything else in one is the user's)
+ENGINE_FILES = {CONFIG_FILE, STEP_GRAPH, f"{STEP_GRAPH}.data", TRT_ENGINE, TOKENIZER_DIR}
 #: the random verification batches: (tokens per sequence with the new ones, new tokens), awkward on purpose
 VERIFY_STEPS = (((45, 17, 3), 1), ((21, 9), 3))
 
@@ -133,6 +135,10 @@ def check_output(output: Path, *, force: bool) -> None:
     if not is_engine_dir(output):
         raise EngineBuildError(f"{output}: exists and is not an engine directory (no tieredkv {CONFIG_FILE}); "
                                "--force replaces engine directories only: choose another --output")
+    others = sorted(p.name for p in output.iterdir() if p.name not in ENGINE_FILES)
+    if others:
+        raise EngineBuildError(f"{output}: an engine directory that also holds {short(others)}; --force would delete "
+                               "them: move them out first, or choose another --output")
     cwd = Path.cwd().resolve()
     if output.resolve() == cwd or output.resolve() in cwd.parents:
         raise EngineBuildError(f"{output}: is the current directory or holds it; refusing to replace it")
@@ -148,16 +154,21 @@ def is_engine_dir(path: Path) -> bool:
 
 
 def _remove_stale_work_dirs(output: Path) -> None:
-    """Remove the temporary siblings (``.<name>.building-<pid>-*``, ``.<name>.old-<pid>-*``) that
-    a build killed before it could clean up left, when their process is gone."""
+    """Clean up after a build killed before it could (its process gone): remove its
+    ``.<name>.building-<pid>-*`` sibling; and a ``.<name>.old-<pid>-*`` sibling holding the
+    previous engine goes back to ``output`` when a kill between the two renames of _publish left
+    ``output`` missing, and is removed otherwise."""
     from tieredkv.lifecycle import pid_alive
 
-    for d in output.parent.glob(f".{output.name}.*-*-*"):
+    for d in sorted(output.parent.glob(f".{output.name}.*-*-*")):
         kind, _, rest = d.name[len(output.name) + 2:].partition("-")
         pid = rest.split("-", 1)[0]
-        if kind in ("building", "old") and pid.isdigit() and not pid_alive(int(pid)) and d.is_dir() \
-                and not d.is_symlink():
-            shutil.rmtree(d, ignore_errors=True)
+        if kind not in ("building", "old") or not pid.isdigit() or pid_alive(int(pid)) or d.is_symlink() \
+                or not d.is_dir():
+            continue
+        if kind == "old" and not output.exists() and is_engine_dir(d / output.name):
+            os.replace(d / output.name, output)
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _layers_progress(total: int):
@@ -456,33 +467,40 @@ def _remove_dirs(dirs: list[Path]) -> None:
 
 
 def _publish(tmp: Path, output: Path) -> None:
-    """Rename ``tmp`` to ``output``, replacing an existing directory (checked by check_output)."""
+    """Rename ``tmp`` to ``output``, replacing an existing engine directory (checked by
+    check_output): the old one is moved aside, the new one moved in, then the old one removed;
+    signals wait while the two renames run, so an interruption never leaves ``output`` missing
+    (a SIGKILL between them is repaired by the next build, see _remove_stale_work_dirs)."""
+    from tieredkv.lifecycle import signals_deferred
+
     if not output.exists():
         os.replace(tmp, output)
         return
     old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-{os.getpid()}-", dir=output.parent))
-    os.replace(output, old / output.name)
     try:
-        os.replace(tmp, output)
-    except OSError:
-        os.replace(old / output.name, output)
-        raise
+        with signals_deferred():
+            os.replace(output, old / output.name)
+            try:
+                os.replace(tmp, output)
+            except OSError:
+                os.replace(old / output.name, output)
+                raise
     finally:
         shutil.rmtree(old, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tieredkv.lifecycle import SIGTERM_STATUS, sigterm_exits
+    from tieredkv.lifecycle import signals_exit, terminated
 
     args = parse_args(argv)
     try:
-        with sigterm_exits():
+        with signals_exit():
             build(args)
     except SystemExit as exc:
-        if exc.code != SIGTERM_STATUS:
+        if not terminated(exc):
             raise
         log("terminated; nothing was written")
-        return SIGTERM_STATUS
+        return exc.code
     except VerificationError as exc:
         log(f"error: {exc}")
         return EXIT_VERIFY

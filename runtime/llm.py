@@ -104,7 +104,9 @@ class LLM:
         ids = [self.encode(p, chat=chat) if isinstance(p, str) else list(p) for p in prompts]
         params = params or SamplingParams()
         self.last_stats = GenerationStats()
-        full = max(len(p) for p in ids) + params.max_new_tokens if ids else None
+        # the work's full cache: prompt + new tokens, which generation stops at the model's context
+        full = min(max(len(p) for p in ids) + params.max_new_tokens, self.config.max_position_embeddings) \
+            if ids else None
         self.last_cache = self.new_cache(full_tokens=full, num_sequences=len(ids))
         try:
             return generate(self.model, self.last_cache, ids, params, tokenizer=self.tokenizer,

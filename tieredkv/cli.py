@@ -365,12 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tieredkv.lifecycle import sigterm_exits
+    from tieredkv.lifecycle import signals_exit
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        with sigterm_exits():
+        with signals_exit():
             return args.func(args)
     except TieredKVError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,5 +1,5 @@
 """Process lifetime for what tieredkv writes to disk (the T4 file, a half-built engine
-directory): SIGTERM as an ordinary exit for the command-line tools, so that what they clean
+directory): SIGTERM and SIGHUP as ordinary exits for the command-line tools, so that what they clean
 up on the way out (``finally`` blocks, context managers, ``atexit`` and ``weakref.finalize``
 hooks) is cleaned up when a job scheduler or ``kill`` stops them too; and whether a process
 is alive, so that what a SIGKILL (which cannot be caught) left is recognised as stale and
@@ -13,8 +13,9 @@ import signal
 import threading
 from typing import Iterator
 
-#: the exit status of a process stopped by SIGTERM (128 + 15), as a shell reports it
-SIGTERM_STATUS = 128 + signal.SIGTERM
+#: the signals that end a command as an ordinary exit: SIGTERM (kill, a job scheduler) and SIGHUP
+#: (a closed terminal, a dropped ssh session); the status is 128 + the signal, as a shell reports it
+TERMINATING = (signal.SIGTERM, signal.SIGHUP)
 
 
 def pid_alive(pid: int) -> bool:
@@ -29,17 +30,36 @@ def pid_alive(pid: int) -> bool:
 
 
 def _raise_exit(signum, frame) -> None:
-    raise SystemExit(SIGTERM_STATUS)
+    raise SystemExit(128 + signum)
+
+
+def terminated(exc: SystemExit) -> bool:
+    """Whether ``exc`` is the exit a terminating signal raised (:func:`signals_exit`)."""
+    return exc.code in {128 + s for s in TERMINATING}
 
 
 @contextlib.contextmanager
-def sigterm_exits() -> Iterator[None]:
-    """Within the block, SIGTERM raises SystemExit(143) in the main thread (elsewhere: no change)."""
+def signals_exit() -> Iterator[None]:
+    """Within the block, SIGTERM and SIGHUP raise SystemExit(128 + signal) in the main thread
+    (elsewhere: no change), so cleanup code runs."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _raise_exit)
+    previous = {s: signal.signal(s, _raise_exit) for s in TERMINATING}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Within the block, SIGINT, SIGTERM and SIGHUP wait (blocked) until it ends: for a few steps
+    that must not be split (two renames that replace a directory)."""
+    blocked = {signal.SIGINT, *TERMINATING}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

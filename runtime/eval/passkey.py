@@ -115,8 +115,11 @@ def trial_prompts(tokenizer: Tokenizer, haystack: Sequence[int], *, context: int
 
 
 def run_trial(method: EvalMethod, tokenizer: Tokenizer, prompt: PasskeyPrompt, *, context: int) -> PasskeyTrial:
-    """One trial: open the (compressed) context, score the key teacher-forced, then answer greedily."""
-    session = method.open(prompt.context, total_tokens=context + len(prompt.answer) + 4)
+    """One trial: open the (compressed) context, score the key teacher-forced, then answer greedily
+    (the answer's tokens and 4 more: all must fit the model's context)."""
+    total = context + len(prompt.answer) + 4
+    method.check_length(total, f"--context {context} plus the answer ({len(prompt.answer) + 4} tokens)")
+    session = method.open(prompt.context, total_tokens=total)
     try:
         lp = session.logprobs(prompt.question + prompt.answer)[len(prompt.question):]
         gen = session.greedy(prompt.question, max_new_tokens=len(prompt.answer) + 4)
@@ -130,7 +133,6 @@ def run_trial(method: EvalMethod, tokenizer: Tokenizer, prompt: PasskeyPrompt, *
 
 def passkey(method: EvalMethod, tokenizer: Tokenizer, haystack: Sequence[int], *, context: int, trials: int,
             seed: int = 0, progress: bool = True) -> PasskeyResult:
-    method.check_length(context + 1, "--context (plus the answer's tokens)")
     t_start = time.perf_counter()
     results = []
     bar = tqdm(trial_prompts(tokenizer, haystack, context=context, trials=trials, seed=seed), total=trials,

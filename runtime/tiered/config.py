@@ -159,8 +159,8 @@ def _choice(options: Callable[[], Any], *, optional: bool = False,
 
 
 def _optional_path(v: Any) -> str | None:
-    if v is not None and not isinstance(v, (str, Path)):
-        raise ValueError(f"must be a string or unset, got {short(v)}")
+    if v is not None and (not isinstance(v, (str, Path)) or not str(v).strip()):
+        raise ValueError(f"must be a non-empty path or unset, got {short(v)}")
     return None if v is None else str(v)
 
 

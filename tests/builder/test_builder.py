@@ -295,7 +295,7 @@ def test_cli_builds_engine_dir_replacing_with_force(tiny_gguf, tmp_path):
     out = tmp_path / "engines" / "tiny"
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps({"format": "tieredkv-engine", "format_version": 1}))  # an old engine
-    (out / "stale.txt").write_text("old engine")
+    (out / "step.onnx").write_text("old graph")
     proc = run_build("--tiered-kv", "--model", str(tiny_gguf), "--output", str(out), "--force", "--page-size", "8")
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -323,8 +323,13 @@ def test_cli_force_replaces_engine_directories_only(tiny_gguf, tmp_path):
     fake = tmp_path / "fake"
     fake.mkdir()
     (fake / "config.json").write_text('{"format": "something-else"}')
+    mixed = tmp_path / "mixed"  # an engine with the user's notes in it
+    mixed.mkdir()
+    (mixed / "config.json").write_text('{"format": "tieredkv-engine"}')
+    (mixed / "notes.md").write_text("mine")
     for output, match in ((users, "not an engine directory"), (tmp_path / "file.txt", "not a directory"),
-                          (tmp_path / "link", "not a directory"), (fake, "not an engine directory")):
+                          (tmp_path / "link", "not a directory"), (fake, "not an engine directory"),
+                          (mixed, "also holds ['notes.md']")):
         proc = run_build("--model", str(tiny_gguf), "--output", str(output), "--force")
         assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     env = dict(__import__("os").environ, OMP_NUM_THREADS="1")
@@ -332,7 +337,8 @@ def test_cli_force_replaces_engine_directories_only(tiny_gguf, tmp_path):
                           capture_output=True, text=True, env=env, cwd=users, timeout=600)
     assert proc.returncode == 2 and "not an engine directory" in proc.stderr
     assert (users / "thesis.tex").read_text() == "years of work" and (tmp_path / "file.txt").read_text() == "data"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["fake", "file.txt", "link", "work"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fake", "file.txt", "link", "mixed", "work"]
+    assert (mixed / "notes.md").read_text() == "mine"
 
 
 def test_cli_sigterm_and_a_killed_build_leave_nothing(tiny_gguf, tmp_path):

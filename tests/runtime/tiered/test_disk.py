@@ -71,7 +71,7 @@ def test_a_directory_gets_a_private_file_inside(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def _run_cache_until_signalled(disk_path, *, sigterm_exits: bool) -> subprocess.Popen:
+def _run_cache_until_signalled(disk_path, *, handle_signals: bool) -> subprocess.Popen:
     code = textwrap.dedent(f"""
         import sys, time, torch
         sys.path.insert(0, {str(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))!r})
@@ -79,7 +79,7 @@ def _run_cache_until_signalled(disk_path, *, sigterm_exits: bool) -> subprocess.
         from tieredkv.models.llama import prefill
         from tieredkv.runtime.tiered.cache import TieredKVCache
         from tieredkv.runtime.tiered.config import TieredKVConfig
-        from tieredkv.lifecycle import sigterm_exits
+        from tieredkv.lifecycle import signals_exit
         model = tiny_model(seed=3)
         cfg = TieredKVConfig(policy="lru", device_budget=96, host_budget=32, disk_path={str(disk_path)!r},
                              page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2)
@@ -88,8 +88,8 @@ def _run_cache_until_signalled(disk_path, *, sigterm_exits: bool) -> subprocess.
             prefill(model, cache, cache.add_sequence(), torch.arange(300) % 500, chunk_size=64)
             print("ready", flush=True)
             time.sleep(60)
-        if {sigterm_exits}:
-            with sigterm_exits():
+        if {handle_signals}:
+            with signals_exit():
                 work()
         else:
             work()
@@ -99,27 +99,28 @@ def _run_cache_until_signalled(disk_path, *, sigterm_exits: bool) -> subprocess.
     return proc
 
 
-def test_sigterm_removes_the_file(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_remove_the_file(tmp_path, signum):
     path = tmp_path / "t4.kv"
-    proc = _run_cache_until_signalled(path, sigterm_exits=True)
+    proc = _run_cache_until_signalled(path, handle_signals=True)
     assert path.is_file()
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 143
+    proc.send_signal(signum)
+    assert proc.wait(timeout=30) == 128 + signum
     assert not path.exists()
 
 
 def test_a_killed_runs_file_is_removed_next_time(tmp_path):
     path = tmp_path / "t4.kv"
-    proc = _run_cache_until_signalled(path, sigterm_exits=False)
+    proc = _run_cache_until_signalled(path, handle_signals=False)
     proc.kill()  # SIGKILL: nothing can run
     proc.wait(timeout=30)
     assert path.is_file()  # left behind...
     spilling_cache(path).close()  # ... and recognised as stale at the next start: no "exists" error
     assert not path.exists()
     # the same in a directory: stale files of dead processes go, live ones stay
-    proc = _run_cache_until_signalled(tmp_path, sigterm_exits=False)
+    proc = _run_cache_until_signalled(tmp_path, handle_signals=False)
     live = [f for f in tmp_path.iterdir() if f.name.startswith(f"tieredkv-t4-{proc.pid}-")]
-    other = _run_cache_until_signalled(tmp_path, sigterm_exits=False)
+    other = _run_cache_until_signalled(tmp_path, handle_signals=False)
     proc.kill()
     proc.wait(timeout=30)
     create_t4_file(tmp_path).unlink()
