@@ -387,11 +387,13 @@ def test_cli_missing_checkpoint_leaves_nothing(tmp_path):
 def test_cli_failed_verification_keeps_the_old_engine(tiny_gguf, tmp_path):
     out = tmp_path / "engine"
     out.mkdir()
-    (out / "keep.txt").write_text("mine")
+    (out / "config.json").write_text('{"format": "tieredkv-engine"}')
+    (out / "step.onnx").write_text("the old graph")
     proc = run_build("--model", str(tiny_gguf), "--output", str(out), "--force", "--tolerance", "0")
     assert proc.returncode == 1
     assert "differ from the PyTorch reference" in proc.stderr and "Traceback" not in proc.stderr
-    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "step.onnx"]
+    assert (out / "step.onnx").read_text() == "the old graph"
     assert [p.name for p in tmp_path.iterdir()] == ["engine"]
 
 
