@@ -125,6 +125,17 @@ def _write_record(path: Path, stamp: dict[str, int], sha256: str) -> None:
     os.replace(fh.name, _record(path))
 
 
+def _is_recorded(path: Path, stamp: dict[str, int], sha256: str) -> bool:
+    """Whether ``path``'s record says it was verified at exactly ``stamp`` against ``sha256``.
+    A record that is a link (or unreadable, or not this format) counts as no record."""
+    try:
+        fd = os.open(_record(path), os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, encoding="utf-8") as fh:
+            return json.loads(fh.read(4096)) == {**stamp, "sha256": sha256}
+    except (OSError, ValueError):
+        return False
+
+
 def cached_state(name: str) -> str:
     with cache_access():
         return _cached_state(name)
@@ -137,11 +148,7 @@ def _cached_state(name: str) -> str:
     target = cache_dir() / "models" / MODELS[name].filename
     if not target.is_file():
         return "not pulled"
-    try:
-        record = json.loads(_record(target).read_text())
-    except (OSError, ValueError):
-        return "cached, unverified"
-    return "cached" if record == {**_stamp(target), "sha256": MODELS[name].sha256} else "cached, unverified"
+    return "cached" if _is_recorded(target, _stamp(target), MODELS[name].sha256) else "cached, unverified"
 
 
 def verify_cached(name: str, path: Path, *, log: Callable[[str], None] | None = None) -> None:
@@ -151,11 +158,8 @@ def verify_cached(name: str, path: Path, *, log: Callable[[str], None] | None = 
     if asset.sha256 is None:
         return
     stamp = _stamp(path)
-    try:
-        if json.loads(_record(path).read_text()) == {**stamp, "sha256": asset.sha256}:
-            return
-    except (OSError, ValueError):
-        pass
+    if _is_recorded(path, stamp, asset.sha256):
+        return
     if log:
         log(f"checking {path.name} (sha256) ...")
     digest = sha256_file(path)

@@ -10,7 +10,12 @@ from typing import Any, Mapping, Sequence
 
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-from tieredkv.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedModelError
+from tieredkv.errors import (CheckpointNotFoundError, CorruptCheckpointError, DataFileError, UnsupportedModelError,
+                             short)
+
+#: what :meth:`Tokenizer.save_hf_dir` writes, and the only keys of its config.json
+_SAVED_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "config.json"})
+_SAVED_IDS = frozenset({"bos_token_id", "eos_token_id"})
 
 # llama.cpp's token types (gguf.TokenType)
 _CONTROL, _USER_DEFINED = 3, 4
@@ -124,8 +129,27 @@ class Tokenizer:
 
     def save_hf_dir(self, path: str | Path) -> Path:
         """Write ``tokenizer.json``, ``tokenizer_config.json`` and a ``config.json`` with the
-        special ids into directory ``path``, which :meth:`from_hf_dir` reads back."""
+        special ids into directory ``path``, which :meth:`from_hf_dir` reads back.
+
+        ``path`` must be new, empty, or a directory this method wrote before (nothing in it but
+        those three files, its ``config.json`` holding only the special ids): a Hugging Face
+        model directory's ``config.json`` is never overwritten (:class:`DataFileError`)."""
         path = Path(path)
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            raise DataFileError(f"{path}: not a directory; the tokenizer is saved into a new or empty directory")
+        if path.is_dir():
+            others = sorted(p.name for p in path.iterdir() if p.name not in _SAVED_FILES)
+            config = path / "config.json"
+            ours = True
+            if config.exists():
+                try:
+                    ours = config.is_file() and set(json.loads(config.read_text(encoding="utf-8"))) <= _SAVED_IDS
+                except (OSError, ValueError, TypeError):
+                    ours = False
+            if others or not ours:
+                held = short(others) if others else "a config.json this method did not write"
+                raise DataFileError(f"{path}: holds {held}; the tokenizer is saved into a new or empty directory "
+                                    "(or one it was saved into before), never over a model's files")
         path.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(path / "tokenizer.json"))
         name = lambda i: self.backend.id_to_token(i) if i is not None else None  # noqa: E731

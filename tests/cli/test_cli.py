@@ -61,12 +61,13 @@ def test_eval_commands(tiny_gguf, tmp_path, capsys):
     (["generate", "--model", "llama-17b", "--prompt", "x"], "not a known model name"),
     (["info", "--preset", "gpt5"], "unknown shape preset"),
     (["eval", "passkey", "--context", "9000"], None),
+    (["eval", "passkey", "--context", "2040", "--trials", "1"], "plus the answer"),  # the key and 4 tokens do not fit
     (["eval", "perplexity", "--window", "4096"], None),
 ])
 def test_errors_are_clean(argv, needle, tiny_gguf, capsys):
-    if needle is None:
+    if argv[0] == "eval":
         argv = argv + ["--model", tiny_gguf]
-        needle = "does not fit the model context"
+        needle = needle or "does not fit the model context"
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1].startswith("error: ") and needle in err and "Traceback" not in err

@@ -102,6 +102,46 @@ def test_an_intact_file_is_hashed_once_per_change(fake_registry, monkeypatch):
     assert calls == [path]  # verified once, recorded again
 
 
+def test_in_place_corruption_keeping_size_and_time_is_caught(fake_registry):
+    """Bytes rewritten in place with the size and modification time set back: the status-change
+    time (which no user call restores) still differs from the record, so the file is hashed."""
+    import os
+    import time
+
+    path = hub.pull("fake")
+    st = path.stat()
+    time.sleep(0.01)
+    data = bytearray(path.read_bytes())
+    data[20] ^= 0x01
+    with open(path, "r+b") as fh:  # same inode, same size
+        fh.write(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+    assert path.stat().st_ino == st.st_ino
+    assert hub.cached_state("fake") == "cached, unverified"
+    with pytest.raises(CorruptCheckpointError, match="corrupt"):
+        hub.resolve_model("fake")
+
+
+def test_the_record_is_never_a_link(fake_registry, tmp_path):
+    """A record replaced by a symbolic link is not trusted (even one to a valid-looking record),
+    and writing the record replaces the link instead of writing through it."""
+    path = hub.pull("fake")
+    record = hub._record(path)
+    copy = tmp_path / "elsewhere.json"
+    copy.write_text(record.read_text())
+    record.unlink()
+    record.symlink_to(copy)
+    assert hub.cached_state("fake") == "cached, unverified"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("someone's file")
+    record.unlink()
+    record.symlink_to(victim)
+    hub.resolve_model("fake")  # verified again, record rewritten
+    assert victim.read_text() == "someone's file" and not record.is_symlink()
+    assert hub.cached_state("fake") == "cached"
+
+
 def test_an_unwritable_cache_is_a_typed_error(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -56,6 +56,32 @@ def test_gguf_tokenizer_from_vocab(tmp_path):
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_saved_tokenizer_round_trips_and_never_overwrites_a_model(tmp_path):
+    from tieredkv.errors import DataFileError
+    from tieredkv.models.tokenizer import Tokenizer
+
+    tok = load_checkpoint(write_gguf(tmp_path / "m.gguf", tiny_model())).tokenizer
+    saved = tok.save_hf_dir(tmp_path / "tok")
+    again = Tokenizer.from_hf_dir(tok.save_hf_dir(saved))  # its own directory: written again
+    text = "the cat sat <|im_end|>"
+    assert again.encode(text) == tok.encode(text) and again.eos_token_ids == tok.eos_token_ids
+    model_dir = save_hf_checkpoint(tiny_model(), tmp_path / "hf")
+    config = (model_dir / "config.json").read_bytes()
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine")
+    (tmp_path / "file").write_text("data")
+    for target, match in ((model_dir, "model's files"), (notes, "todo.txt"), (tmp_path / "file", "not a directory")):
+        with pytest.raises(DataFileError, match=match):
+            tok.save_hf_dir(target)
+    assert (model_dir / "config.json").read_bytes() == config and (notes / "todo.txt").read_text() == "mine"
+    foreign = tmp_path / "foreign"  # only a config.json, but not one the tokenizer wrote
+    foreign.mkdir()
+    (foreign / "config.json").write_text('{"hidden_size": 64}')
+    with pytest.raises(DataFileError, match="did not write"):
+        tok.save_hf_dir(foreign)
+
+
 @pytest.mark.parametrize("shard", [None, 20_000])
 def test_hf_safetensors(tmp_path, shard):
     model = tiny_model(seed=5)

@@ -106,6 +106,20 @@ def test_context_limit(tiny_llm):
     assert out.finish_reason == "length" and len(out.token_ids) == 3
 
 
+def test_percentage_budgets_resolve_against_what_the_context_holds(tiny_llm):
+    """A 25 % device budget is 25 % of prompt + new tokens — never of more tokens than the
+    model's context holds, however large max_new_tokens is."""
+    from tieredkv.runtime.tiered.config import TieredKVConfig
+
+    ctx = tiny_llm.config.max_position_embeddings
+    llm = LLM.from_model(tiny_llm.model, tiny_llm.tokenizer,
+                         kv=TieredKVConfig(page_size=16, device_budget="25%", host_budget="100%"))
+    out = llm.generate([[5] * (ctx - 40)], SamplingParams(max_new_tokens=100 * ctx, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 40
+    assert llm.last_cache.budgets == llm.new_cache(full_tokens=ctx).budgets
+    assert llm.last_cache.budgets.device_pages <= ctx // 16 // 4 + 1
+
+
 @pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2),
                                  dict(stop=("",))])
 def test_bad_sampling_params(bad):
