@@ -218,8 +218,8 @@ def _safetensor_files(path: Path) -> list[Path]:
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise TypeError("weight_map is not a table of tensor name -> file name")
         except (ValueError, KeyError, TypeError, OSError) as exc:
-            raise CorruptCheckpointError(f"{index}: not a safetensors index (needs a 'weight_map' of tensor name -> "
-                                         f"shard file name: {short(str(exc), 120)})") from None
+            raise CorruptCheckpointError(f"{index}: not a safetensors index ({short(str(exc), 120)}); expected a JSON "
+                                         "object whose 'weight_map' maps tensor names to shard file names") from None
         files = []
         for name in dict.fromkeys(weight_map.values()):
             if Path(name).name != name or name in (".", ".."):

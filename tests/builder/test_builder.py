@@ -291,6 +291,7 @@ def run_build(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.slow  # a whole build in a subprocess
 def test_cli_builds_engine_dir_replacing_with_force(tiny_gguf, tmp_path):
     out = tmp_path / "engines" / "tiny"
     out.mkdir(parents=True)
@@ -312,6 +313,7 @@ def test_cli_builds_engine_dir_replacing_with_force(tiny_gguf, tmp_path):
     onnx.checker.check_model(str(out / "step.onnx"), full_check=True)
 
 
+@pytest.mark.slow  # a whole build in a subprocess
 def test_cli_force_replaces_engine_directories_only(tiny_gguf, tmp_path):
     """--force never deletes what is not an engine: a directory of user files, a file, a link,
     the current directory; each is refused before anything is loaded or written."""
@@ -341,6 +343,7 @@ def test_cli_force_replaces_engine_directories_only(tiny_gguf, tmp_path):
     assert (mixed / "notes.md").read_text() == "mine"
 
 
+@pytest.mark.slow  # a whole build in a subprocess
 def test_cli_sigterm_and_a_killed_build_leave_nothing(tiny_gguf, tmp_path):
     """SIGTERM during a build removes the half-built directory (exit 143); a work directory a
     killed build left (its process gone) is removed by the next build there."""
@@ -384,6 +387,7 @@ def test_cli_missing_checkpoint_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # a whole build in a subprocess
 def test_cli_failed_verification_keeps_the_old_engine(tiny_gguf, tmp_path):
     out = tmp_path / "engine"
     out.mkdir()
@@ -397,6 +401,7 @@ def test_cli_failed_verification_keeps_the_old_engine(tiny_gguf, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["engine"]
 
 
+@pytest.mark.slow  # a whole build in a subprocess
 def test_cli_warm_codec_engine_and_its_errors(tiny_gguf, tmp_path):
     out = tmp_path / "warm"
     proc = run_build("--tiered-kv", "--warm-codec", "fp8-r2", "--model", str(tiny_gguf), "--output", str(out),
@@ -413,6 +418,7 @@ def test_cli_warm_codec_engine_and_its_errors(tiny_gguf, tmp_path):
         assert not bad.exists()
 
 
+@pytest.mark.slow  # a whole build in a subprocess
 def test_cli_unwritable_output_and_unsupported_model_leave_nothing(tiny_gguf, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")  # an output under a regular file cannot be created, even as root

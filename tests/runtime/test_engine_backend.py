@@ -219,6 +219,7 @@ def test_engine_tokenizer_round_trips(built):
     assert saved.chat_template == original.chat_template
 
 
+@pytest.mark.slow  # the CLI end to end on an engine
 def test_llm_from_engine_and_cli_generate_with_engine(built, torch_model, tmp_path):
     import subprocess
     import sys
@@ -244,6 +245,7 @@ def test_llm_from_engine_and_cli_generate_with_engine(built, torch_model, tmp_pa
     assert proc.returncode != 0 and "--engine" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # the CLI end to end on an engine
 def test_cli_eval_perplexity_with_engine_equals_the_model(built, tmp_path, capsys):
     from tieredkv.cli import main
 
