@@ -165,7 +165,8 @@ class LlamaConfig:
         num_heads = read.integer("num_attention_heads")
         hidden = read.integer("hidden_size")
         head_dim = read.integer("head_dim", None)
-        return cls(
+        return cls._described_by(
+            source,
             vocab_size=read.integer("vocab_size"),
             hidden_size=hidden,
             intermediate_size=read.integer("intermediate_size"),
@@ -182,6 +183,14 @@ class LlamaConfig:
             eos_token_ids=eos_ids,
             name=str(cfg.get("_name_or_path") or "llama")[:200],
         )
+
+    @classmethod
+    def _described_by(cls, source: str, **fields: Any) -> "LlamaConfig":
+        """The config a checkpoint's metadata describes; its bounds errors name the file."""
+        try:
+            return cls(**fields)
+        except ConfigError as exc:
+            raise CorruptCheckpointError(f"{source}: {exc}") from None
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> "LlamaConfig":
@@ -233,7 +242,8 @@ class LlamaConfig:
         eos_ids = tuple(dict.fromkeys(read.token_ids(key, [fields[key]])[0] for key in (
             "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if fields.get(key) is not None))
         bos = fields.get("tokenizer.ggml.bos_token_id")
-        return cls(
+        return cls._described_by(
+            source,
             vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=read.integer("llama.feed_forward_length"),

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import logits_of, tiny_model, write_gguf
-from tieredkv.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UnsupportedModelError
+from tieredkv.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedModelError
 from tieredkv.models.hf_compat import save_hf_checkpoint
 from tieredkv.models.loading import load_checkpoint, permute_rope_rows, unpermute_rope_rows
 
@@ -227,10 +227,10 @@ def test_hf_tokenizer_json(tmp_path, template_bos):
 
 @pytest.mark.parametrize("meta,error,match", [
     ({"llama.embedding_length": "abc"}, CorruptCheckpointError, "llama.embedding_length must be an integer"),
-    ({"llama.attention.head_count": 0}, ConfigError, r"num_heads must be an integer in \[1, 1024\]"),
+    ({"llama.attention.head_count": 0}, CorruptCheckpointError, r"m.gguf: LlamaConfig.num_heads must be an integer in \[1, 1024\]"),
     ({"llama.attention.head_count": [4, 4]}, CorruptCheckpointError, "head_count must be an integer"),
     ({"llama.attention.layer_norm_rms_epsilon": "tiny"}, CorruptCheckpointError, "epsilon must be a finite number"),
-    ({"llama.block_count": 100_000_000}, ConfigError, r"num_layers must be an integer in \[1, 1024\]"),
+    ({"llama.block_count": 100_000_000}, CorruptCheckpointError, r"num_layers must be an integer in \[1, 1024\]"),
     ({"llama.rope.freq_base": float("nan")}, CorruptCheckpointError, "freq_base must be a finite number"),
 ])
 def test_gguf_metadata_is_typed(tmp_path, meta, error, match):
