@@ -96,11 +96,45 @@ class TieredKVCache(KVCache):
             self.mgr.refresh_metrics()
             self._snapshot_steps = steps
 
-    def add_sequence(self) -> int:
+    def add_sequence(self, *, shared: list[int] | tuple[int, ...] = ()) -> int:
+        """A new sequence; ``shared``: records (live full pages, e.g. prefix-index hits) it
+        starts with, in order — it then has ``len(shared) * page_size`` tokens."""
         sid = self._next_id
         self._next_id += 1
-        self.mgr.add_sequence(sid)
+        self.mgr.add_sequence(sid, shared=shared)
         return sid
+
+    # ------------------------------------------------------------------ serving: prefix pages, preemption
+    def records_of(self, seq_id: int) -> list[int]:
+        """The records (pages) of a sequence, in logical order."""
+        return self.mgr.records_of(seq_id).tolist()
+
+    def hold_pages(self, records: list[int]) -> None:
+        """The prefix index keeps these full pages past their sequences (one reference each)."""
+        self.mgr.hold(torch.tensor(records, dtype=torch.long))
+
+    def drop_pages(self, records: list[int]) -> None:
+        """The prefix index lets these pages go; the ones no sequence lists are freed."""
+        self.mgr.let_go(torch.tensor(records, dtype=torch.long))
+
+    def page_refs(self, records: list[int]) -> list[int]:
+        return self.mgr.table.refs[torch.tensor(records, dtype=torch.long)].tolist()
+
+    def page_tiers(self, records: list[int]) -> list[str]:
+        """Where each page is (the tier holding most of its layers): ``device`` (full precision or
+        warm), ``host`` or ``disk``."""
+        t, recs = self.mgr.table, torch.tensor(records, dtype=torch.long)
+        dev = (t.device_slot[:, recs] >= 0) | (t.warm_slot[:, recs] >= 0)
+        host = ~dev & (t.host_slot[:, recs] >= 0)
+        counts = torch.stack([dev.sum(0), host.sum(0), (~dev & ~host).sum(0)])
+        return [("device", "host", "disk")[i] for i in counts.argmax(0).tolist()]
+
+    def pause(self, seq_id: int) -> None:
+        """Preempt by demotion: the sequence's pages leave the device, nothing is lost."""
+        self.mgr.pause(seq_id)
+
+    def resume(self, seq_id: int) -> None:
+        self.mgr.resume(seq_id)
 
     def fork(self, seq_id: int, num_tokens: int | None = None) -> int:
         """A new sequence that starts with the first ``num_tokens`` tokens of ``seq_id`` (default:
@@ -144,6 +178,14 @@ class TieredKVCache(KVCache):
     def kv_bytes(self) -> int:
         """Device-resident K/V bytes (T0 + T1 + T2)."""
         return self.mgr.resident_bytes()
+
+    def resident_token_bytes(self) -> int:
+        """Of :meth:`kv_bytes`, the bytes that hold tokens (a partial page holds fewer than P)."""
+        t, m = self.mgr.table, self.mgr
+        tokens = t.tokens.unsqueeze(0)
+        full = int((tokens * (t.device_slot >= 0)).sum()) * m.page_bytes // self.config.page_size
+        warm = int((tokens * (t.warm_slot >= 0)).sum()) * m.warm_page_bytes // self.config.page_size
+        return full + warm
 
     def max_step_tokens(self) -> int | None:
         """The most new tokens one step may bring while residency stays within the

@@ -143,10 +143,14 @@ class TierManager:
     def free_sequence(self, seq: int) -> None:
         self._unlist(self.records_of(seq))
         del self.table.seq_pages[seq], self.table.seq_len[seq]
+        self.table.paused.discard(seq)
 
     def _unlist(self, recs: torch.Tensor) -> None:
         """A sequence lets ``recs`` go; the records no other sequence lists release every slot."""
-        freed = self.table.unref(recs)
+        self._release(self.table.unref(recs))
+
+    def _release(self, freed: torch.Tensor) -> None:
+        """Records nobody holds any more give back every slot of every tier."""
         if len(freed) == 0:
             return
         for pool, slots in self._pools():
@@ -161,6 +165,69 @@ class TierManager:
             elif pool is self.warm:
                 self.metrics.released_warm_pages += len(layers)
         self.table.release(freed)
+
+    def _drop_copies(self, recs: torch.Tensor) -> None:
+        """Pages about to change give up their copies in the warm, host and disk tiers."""
+        for pool, slots in self._pools()[1:]:
+            if pool is None:
+                continue
+            sub = slots[:, recs]
+            layers, cols = (sub >= 0).nonzero(as_tuple=True)
+            if len(layers):
+                pool.release(layers, sub[layers, cols])
+                slots[layers, recs[cols]] = -1
+
+    # ------------------------------------------------------------------ prefix index and preemption
+    def hold(self, recs: torch.Tensor) -> None:
+        """The prefix index keeps ``recs`` (live full pages) beyond the sequences listing them."""
+        self.table.hold(recs)
+
+    def let_go(self, recs: torch.Tensor) -> None:
+        """The prefix index drops ``recs``; those no sequence lists release every slot."""
+        self._release(self.table.let_go(recs))
+
+    def pause(self, seq: int) -> None:
+        """Preempt ``seq`` by demotion: it stops pinning a hot window and its pages leave the
+        device (written back to the host first when dirty; warm copies dropped, the host holds
+        the exact page) — except pages a running sequence pins. :meth:`resume` brings its hot
+        window back; nothing is recomputed."""
+        t = self.table
+        t.paused.add(seq)
+        t.update_t0(self.config.window.sink_tokens, self.config.window.recent_tokens)
+        recs = self.records_of(seq)
+        recs = recs[~t.t0[recs]]
+        layers, cols = (t.device_slot[:, recs] >= 0).nonzero(as_tuple=True)
+        self.evict(layers, recs[cols])
+        if self.warm is not None:
+            layers, cols = (t.warm_slot[:, recs] >= 0).nonzero(as_tuple=True)
+            self.warm.release(layers, t.warm_slot[layers, recs[cols]])
+            t.warm_slot[layers, recs[cols]] = -1
+            self.metrics.warm_drops += len(cols)
+        self.metrics.paused_sequences += 1
+
+    def resume(self, seq: int) -> None:
+        """A paused sequence runs again: its hot window comes back onto the device (other pages
+        demoted by policy to make room). KVCacheFullError when the device cannot take it."""
+        t = self.table
+        t.paused.discard(seq)
+        t.update_t0(self.config.window.sink_tokens, self.config.window.recent_tokens)
+        recs = self.records_of(seq)
+        recs = recs[t.t0[recs]]
+        want = torch.zeros(self.L, t.capacity, dtype=torch.bool)
+        want[:, recs] = t.device_slot[:, recs] < 0
+        room = self._make_room(want.sum(1), protect=want)
+        if bool((room < want.sum(1)).any()):
+            t.paused.add(seq)
+            t.update_t0(self.config.window.sink_tokens, self.config.window.recent_tokens)
+            raise KVCacheFullError(f"the device budget ({self.resident_cap} resident pages per layer) cannot take "
+                                   f"sequence {seq}'s hot window back: every resident page is pinned")
+        layers, cols = want.nonzero(as_tuple=True)
+        self.admit(layers, cols)
+        self.metrics.resumed_sequences += 1
+
+    def pinned_pages(self) -> int:
+        """Records pinned on the device (T0 of the running sequences), per layer."""
+        return int(self.table.t0.sum())
 
     def truncate(self, seq: int, length: int) -> None:
         t = self.table
@@ -181,7 +248,7 @@ class TierManager:
         t = self.table
         new = t.new_record(int(t.index[rec]), self.step_no)
         for name, meta in t.columns():
-            if name not in ("refs", "device_slot", "warm_slot", "host_slot", "disk_slot"):
+            if name not in ("refs", "cached", "device_slot", "warm_slot", "host_slot", "disk_slot"):
                 column = getattr(t, name)
                 if meta["per_layer"]:
                     column[:, new] = column[:, rec]
@@ -211,9 +278,12 @@ class TierManager:
         t_start = time.perf_counter()
         t = self.table
         new: list[int] = []
+        partial: list[int] = []  # existing pages the step writes into (a sequence's last, partial page)
         for seq in seqs:
             n = t.seq_len[seq] + num_new
             pages = t.seq_pages[seq]
+            if t.seq_len[seq] % self.P:
+                partial.append(pages[-1])
             while len(pages) * self.P < n:
                 pages.append(t.new_record(len(pages), self.step_no))
                 new.append(pages[-1])
@@ -221,20 +291,30 @@ class TierManager:
             for i in range(max(0, len(pages) - -(-num_new // self.P) - 1), len(pages)):
                 t.tokens[pages[i]] = min(self.P, n - i * self.P)
         t.update_t0(self.config.window.sink_tokens, self.config.window.recent_tokens)
-        if new:
-            recs = torch.tensor(new, dtype=torch.long)
+        if new or partial:
+            # every page written this step is resident and stays so until the step ends (a partial
+            # page may have left the T0 window as the sequence grew, or left with a paused sequence)
+            written = torch.tensor(new + partial, dtype=torch.long)
             want = torch.zeros(self.L, t.capacity, dtype=torch.bool)
-            want[:, recs] = True
-            self._make_room(want.sum(1), protect=want)
-            layers, cols = want.nonzero(as_tuple=True)
-            slots = self.device.alloc(layers, cols)
-            if slots is None:
+            want[:, written] = True
+            missing = want & (t.device_slot < 0)
+            room = self._make_room(missing.sum(1), protect=want)
+            if bool((room < missing.sum(1)).any()):
                 raise KVCacheFullError(
-                    f"the device budget ({self.resident_cap} resident pages per layer) cannot take "
-                    f"{len(new)} new page(s): every resident page is in T0 (sinks + recent window) of a live sequence. "
-                    "Raise the device budget, lower recent_tokens, or run fewer sequences at once.")
-            t.device_slot[layers, cols] = slots
-            self.metrics.created_pages += len(layers)
+                    f"the device budget ({self.resident_cap} resident pages per layer) cannot take the "
+                    f"{len(new)} new page(s) of this step: every resident page is in T0 (sinks + recent window) of "
+                    "a live sequence. Raise the device budget, lower recent_tokens, or run fewer sequences at once.")
+            if new:
+                recs = torch.tensor(new, dtype=torch.long)
+                layers = torch.arange(self.L).repeat_interleave(len(recs))
+                cols = recs.repeat(self.L)
+                t.device_slot[layers, cols] = self.device.alloc(layers, cols)
+                self.metrics.created_pages += len(layers)
+            if partial:
+                recs = torch.tensor(partial, dtype=torch.long)
+                layers, cols = (t.device_slot[:, recs] < 0).nonzero(as_tuple=True)
+                self.admit(layers, recs[cols])
+                self._drop_copies(recs)  # their copies off the device are stale once written
         self._access = StepAccess.empty(self.L, t.capacity)
         self.metrics.manager_seconds += time.perf_counter() - t_start
         return self._plan(seqs, num_new)
@@ -632,6 +712,11 @@ class TierManager:
                 "T2w": int(warm.sum()), "T3": int(host_only.sum()),
                 "T4": int((alive & ~dev & ~warm & ~host_only & (t.disk_slot >= 0)).sum())}
 
+    def tier_bytes(self, counts: dict[str, int] | None = None) -> dict[str, int]:
+        """Bytes per tier now (or of the given page counts); the metrics are left as they are."""
+        counts = self.tier_counts() if counts is None else counts
+        return {tier: n * (self.warm_page_bytes if tier == "T2w" else self.page_bytes) for tier, n in counts.items()}
+
     @property
     def warm_page_bytes(self) -> int:
         return 0 if self.warm is None else self.warm.page_bytes
@@ -653,8 +738,7 @@ class TierManager:
         m = self.metrics
         counts = self.tier_counts()
         m.pages_per_tier = counts
-        m.bytes_per_tier = {tier: n * (self.warm_page_bytes if tier == "T2w" else self.page_bytes)
-                            for tier, n in counts.items()}
+        m.bytes_per_tier = self.tier_bytes(counts)
         m.warm_bytes_saved = counts["T2w"] * (self.page_bytes - self.warm_page_bytes)
         m.summary_bytes = int(self.table.alive.sum()) * self.L * 2 * self.kv_heads * self.head_dim * 4
         return m

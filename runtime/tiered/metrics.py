@@ -28,6 +28,8 @@ class TierMetrics:
     released_pages: int = 0  # full-precision device slots freed with their sequence (free, truncate)
     released_warm_pages: int = 0  # warm slots freed with their sequence
     copied_pages: int = 0  # private copies of shared pages a truncated sequence writes into (copy on write)
+    paused_sequences: int = 0  # sequences preempted by demotion (their pages left the device)
+    resumed_sequences: int = 0  # ... whose hot window came back
     fetched_pages: int = 0  # pages admitted to the device (host -> device)
     evicted_pages: int = 0  # pages that left the device
     writebacks: int = 0  # dirty pages written to the host on eviction

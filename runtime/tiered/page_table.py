@@ -4,18 +4,21 @@ A *record* is one logical page of KV, in every layer: record r holds the tokens
 ``[index[r] * P, index[r] * P + tokens[r])`` of each sequence that lists it. A sequence lists
 its records in logical order (``seq_pages``). A record is listed by one sequence, or — a full
 page of a shared prefix (a fork, the prefix index) — by several: ``refs[r]`` counts the
-sequences listing it, and the record is freed when the last of them lets it go. A page that
-is still being written (the partial last page of a sequence) is never shared.
+sequences listing it, plus one while the prefix index holds it (``cached``), and the record
+is freed when the last of them lets it go. A page that is still being written (the partial
+last page of a sequence) is never shared. A *paused* sequence (preempted by demotion) keeps
+its records but pins none of them: it has no hot window until it resumes.
 
-Per record: ``refs``, ``index``, ``tokens`` and ``t0`` (in the hot window of a sequence that
-lists it). Per (layer, record), [L, R] tensors: the slot of each tier holding a copy
+Per record: ``refs``, ``cached``, ``index``, ``tokens`` and ``t0`` (in the hot window of a
+running sequence that lists it). Per (layer, record), [L, R] tensors: the slot of each tier holding a copy
 (``device_slot``, ``warm_slot``, ``host_slot``, ``disk_slot``; -1 where the tier holds none),
 the statistics the replacement policy and the migration thresholds read, and the key
 summaries the scorer reads (element-wise key min / max per kv head, summed saliency).
 
 Invariants (:meth:`check`, run by the tiered cache's property tests after every step):
-  * ``refs[r]`` equals the number of times r is listed over all sequences; records with
-    ``refs == 0`` are exactly the free list, without duplicates;
+  * ``refs[r]`` equals the number of times r is listed over all sequences plus ``cached[r]``;
+    records with ``refs == 0`` are exactly the free list, without duplicates; a cached record
+    is a full page;
   * a sequence of ``seq_len`` tokens lists ``ceil(seq_len / P)`` records with indices
     0, 1, ... in order; a sequence's partial last page is listed by that sequence alone.
 """
@@ -38,6 +41,15 @@ def column(dtype: torch.dtype, fill: Any, *, per_layer: bool = True, new: Any = 
                                          "per_layer": per_layer, "summary": summary})
 
 
+def hot_pages(seq_len: int, page_size: int, sink_tokens: int, recent_tokens: int) -> torch.Tensor:
+    """[ceil(seq_len / P)] bool: a sequence's T0 pages at length ``seq_len`` — its sink pages,
+    the pages of its recent window and the page being written."""
+    n = -(-seq_len // page_size)
+    first_recent = max(0, seq_len - recent_tokens) // page_size
+    idx = torch.arange(n)
+    return (idx < -(-sink_tokens // page_size)) | (idx >= min(first_recent, n - 1))
+
+
 @dataclass(eq=False)
 class PageTableState:
     """A copy of a :class:`PageTable` (:meth:`PageTable.snapshot`)."""
@@ -46,6 +58,7 @@ class PageTableState:
     seq_pages: dict[int, list[int]]
     seq_len: dict[int, int]
     free: list[int]
+    paused: set[int]
 
 
 @dataclass(eq=False)
@@ -55,7 +68,8 @@ class PageTable:
     head_dim: int
     page_size: int
     # per record [R]
-    refs: torch.Tensor = column(torch.long, 0, per_layer=False)  # sequences listing the record
+    refs: torch.Tensor = column(torch.long, 0, per_layer=False)  # sequences listing the record (+1 if cached)
+    cached: torch.Tensor = column(torch.bool, False, per_layer=False)  # held by the prefix index
     index: torch.Tensor = column(torch.long, 0, per_layer=False)  # logical page index in its sequence(s)
     tokens: torch.Tensor = column(torch.long, 0, per_layer=False)  # tokens written
     t0: torch.Tensor = column(torch.bool, False, per_layer=False, new=True)  # in a hot window (never evicted)
@@ -80,6 +94,7 @@ class PageTable:
     seq_pages: dict[int, list[int]] = field(default_factory=dict)
     seq_len: dict[int, int] = field(default_factory=dict)
     free: list[int] = field(default_factory=list)
+    paused: set[int] = field(default_factory=set)  # sequences without a hot window (preempted)
 
     def __post_init__(self) -> None:
         for name, meta in self.columns():
@@ -162,23 +177,36 @@ class PageTable:
         self.free.extend(recs.tolist())
 
     def update_t0(self, sink_tokens: int, recent_tokens: int) -> None:
-        """T0 of every sequence: its sink pages, the pages of its recent window and the page being
-        written; a shared page is T0 when it is in the hot window of any sequence listing it."""
-        sink_pages = -(-sink_tokens // self.page_size)
+        """T0 of every running (not paused) sequence: its sink pages, the pages of its recent
+        window and the page being written; a shared page is T0 when it is in the hot window of
+        any running sequence listing it."""
         self.t0.zero_()
         for seq, pages in self.seq_pages.items():
-            if not pages:
-                continue
-            first_recent = max(0, self.seq_len[seq] - recent_tokens) // self.page_size
-            idx = torch.arange(len(pages))
-            hot = (idx < sink_pages) | (idx >= min(first_recent, len(pages) - 1))
-            recs = torch.tensor(pages, dtype=torch.long)
-            self.t0[recs[hot]] = True
+            if pages and seq not in self.paused:
+                recs = torch.tensor(pages, dtype=torch.long)
+                self.t0[recs[hot_pages(self.seq_len[seq], self.page_size, sink_tokens, recent_tokens)]] = True
+
+    def hold(self, recs: torch.Tensor) -> None:
+        """The prefix index takes one reference on each of ``recs`` (live full pages, not yet cached)."""
+        if len(recs) == 0:
+            return
+        if not (self.alive[recs].all() and (self.tokens[recs] == self.page_size).all() and not self.cached[recs].any()):
+            raise ValueError("the prefix index holds live full pages, once each")
+        self.cached[recs] = True
+        self.refs.index_add_(0, recs, torch.ones_like(recs))
+
+    def let_go(self, recs: torch.Tensor) -> torch.Tensor:
+        """The prefix index drops its reference on ``recs``; returns those nobody holds any more."""
+        if not bool(self.cached[recs].all()):
+            raise ValueError("the prefix index lets go only of records it holds")
+        self.cached[recs] = False
+        return self.unref(recs)
 
     # ------------------------------------------------------------------ snapshots
     def snapshot(self) -> PageTableState:
         return PageTableState({name: getattr(self, name).clone() for name, _ in self.columns()},
-                              {s: list(p) for s, p in self.seq_pages.items()}, dict(self.seq_len), list(self.free))
+                              {s: list(p) for s, p in self.seq_pages.items()}, dict(self.seq_len), list(self.free),
+                              set(self.paused))
 
     def restore(self, state: PageTableState) -> None:
         for name, value in state.columns.items():
@@ -186,6 +214,7 @@ class PageTable:
         self.seq_pages = {s: list(p) for s, p in state.seq_pages.items()}
         self.seq_len = dict(state.seq_len)
         self.free = list(state.free)
+        self.paused = set(state.paused)
 
     # ------------------------------------------------------------------ invariants
     def check(self) -> None:
@@ -198,7 +227,10 @@ class PageTable:
             assert torch.equal(self.index[recs], torch.arange(len(pages))), f"sequence {seq}: pages out of order"
             if pages and self.seq_len[seq] % self.page_size:
                 assert int(self.refs[pages[-1]]) == 1, f"sequence {seq}: the page being written is shared"
-        assert torch.equal(listed, self.refs), "reference counts disagree with the sequences' page lists"
+        assert torch.equal(listed + self.cached.long(), self.refs), \
+            "reference counts disagree with the sequences' page lists and the prefix index"
+        assert (self.tokens[self.cached] == self.page_size).all(), "a cached record is not a full page"
+        assert self.paused <= set(self.seq_pages), "a paused sequence that does not exist"
         free = sorted(self.free)
         assert len(set(free)) == len(free), "a record is on the free list twice"
         assert free == (self.refs == 0).nonzero().flatten().tolist(), "the free list is not the unlisted records"
