@@ -1,40 +1,24 @@
-"""Batched generation over a KV cache: chunked prefill per prompt, then batched decode
-steps (gpt-fast style: ``prefill`` / ``decode_one_token`` / ``sample_token``)."""
+"""Batched generation over a KV cache: a batch job on the serving engine
+(``runtime/serving``), every prompt admitted at once, prefilled in chunks, then decoded
+together; the figures a batch job reports (:class:`GenerationStats`)."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-from tieredkv.errors import ContextLengthError
+from tieredkv.errors import ConfigError, ContextLengthError, TieredKVError
 from tieredkv.models.cache import KVCache
-from tieredkv.models.llama import Llama, decode_one_token, prefill
+from tieredkv.models.llama import Llama
 from tieredkv.models.tokenizer import Tokenizer
-from tieredkv.runtime.sampling import SamplingParams, sample_token
+from tieredkv.runtime.sampling import SamplingParams
+from tieredkv.runtime.serving.engine import Engine
+from tieredkv.runtime.serving.request import Completion, TokenEvent
+from tieredkv.runtime.serving.scheduler import SchedulerConfig
 
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """Streamed once per generated token. ``text`` is the newly printable text (may be
-    empty while a multi-byte character is incomplete). Return ``False`` from the
-    callback to cancel that sequence."""
-
-    index: int
-    token_id: int
-    text: str
-    finish_reason: str | None = None
-
-
-@dataclass
-class Completion:
-    index: int
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None  # "eos" | "stop" | "length" | "cancelled"
+__all__ = ["ERRORS", "Completion", "GenerationStats", "TokenEvent", "batch_scheduler", "generate", "validate_prompts"]
 
 
 @dataclass
@@ -69,40 +53,6 @@ class GenerationStats:
         }
 
 
-class _Sequence:
-    def __init__(self, index: int, prompt: list[int], params: SamplingParams, tokenizer: Tokenizer | None) -> None:
-        self.out = Completion(index, list(prompt))
-        self.params = params
-        self.tokenizer = tokenizer
-        self.generator = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
-        self.seq_id = -1
-        self.position = len(prompt)
-
-    def accept(self, token: int, eos_ids: frozenset[int], context_limit: int) -> TokenEvent:
-        """Record a sampled token; decide whether the sequence is finished."""
-        p, out = self.params, self.out
-        if token in eos_ids and not p.ignore_eos:
-            out.finish_reason = "eos"
-            return TokenEvent(out.index, token, "", "eos")
-        out.token_ids.append(token)
-        delta = ""
-        if self.tokenizer is not None:
-            full = self.tokenizer.decode(out.token_ids)
-            if p.stop:
-                lo = max(0, len(out.text) - max(len(s) for s in p.stop))
-                hits = [i for i in (full.find(s, lo) for s in p.stop) if i >= 0]
-                if hits:
-                    full = full[: min(hits)]
-                    out.finish_reason = "stop"
-            if not full.endswith("\ufffd") or out.finish_reason:
-                delta, out.text = full[len(out.text):], full
-        if out.finish_reason is None and (len(out.token_ids) >= p.max_new_tokens or self.position + 1 >= context_limit):
-            out.finish_reason = "length"
-        return TokenEvent(out.index, token, delta, out.finish_reason)
-
-
 def validate_prompts(prompts: Sequence[Sequence[int]], context: int) -> None:
     for i, ids in enumerate(prompts):
         if len(ids) == 0:
@@ -114,48 +64,55 @@ def validate_prompts(prompts: Sequence[Sequence[int]], context: int) -> None:
             )
 
 
+def batch_scheduler(num_prompts: int, prefill_chunk: int, cache: KVCache) -> SchedulerConfig:
+    """A batch job's schedule: every prompt admitted at once (as the KV budget allows), each
+    prefilled whole in the step it is admitted, then decoded together."""
+    return SchedulerConfig(max_num_seqs=max(1, num_prompts), max_num_batched_tokens=None,
+                           prefill_chunk=prefill_chunk, admission="optimistic")
+
+
+ERRORS = ("raise", "report")
+
+
 @torch.no_grad()
 def generate(model: Llama, cache: KVCache, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
              tokenizer: Tokenizer | None = None, on_token: Callable[[TokenEvent], bool | None] | None = None,
-             prefill_chunk: int = 512, stats: GenerationStats | None = None) -> list[Completion]:
-    """Generate for every prompt (token ids). Sequences are freed from ``cache`` as they finish."""
-    context = model.config.max_position_embeddings
-    validate_prompts(prompts, context)
-    stats = stats if stats is not None else GenerationStats()
-    eos_ids = frozenset(model.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids if tokenizer else ())
-    seqs = [_Sequence(i, list(p), params, tokenizer) for i, p in enumerate(prompts)]
-    active: list[_Sequence] = []
-
-    def emit(seq: _Sequence, token: int) -> None:
-        event = seq.accept(token, eos_ids, context)
-        if on_token is not None and on_token(event) is False and seq.out.finish_reason is None:
-            seq.out.finish_reason = "cancelled"
-        if seq.out.finish_reason is not None:
-            cache.free_sequence(seq.seq_id)
+             prefill_chunk: int = 512, stats: GenerationStats | None = None, errors: str = "raise",
+             progress=None) -> list[Completion]:
+    """Generate for every prompt (token ids) through the serving engine with a batch job's
+    schedule (:func:`batch_scheduler`); results in input order, sequences freed from ``cache``
+    as they finish. ``errors="raise"``: every prompt is checked before any work and the first
+    error is raised; ``"report"``: a prompt that cannot run, or whose step fails, gets a
+    completion with finish reason ``error`` (and the message in ``error``) and the others go
+    on. ``progress``: a tqdm-like bar advanced per finished request."""
+    if errors not in ERRORS:
+        raise ConfigError(f"errors must be one of {list(ERRORS)}, got {errors!r}")
+    if errors == "raise":
+        validate_prompts(prompts, model.config.max_position_embeddings)
+    engine = Engine(model, cache, tokenizer=tokenizer, scheduler=batch_scheduler(len(prompts), prefill_chunk, cache),
+                    on_error="raise" if errors == "raise" else "fail")
+    outs: list[Completion] = []
+    reqs = []
+    for i, p in enumerate(prompts):
+        try:
+            req = engine.add_request(p, params, on_token=on_token)
+        except TieredKVError as exc:
+            if errors == "raise":
+                raise
+            outs.append(Completion(i, list(p), finish_reason="error", error=f"{type(exc).__name__}: {exc}"))
+            if progress is not None:
+                progress.update(1)
         else:
-            active.append(seq)
-
-    for seq in seqs:
-        t_start = time.perf_counter()
-        seq.seq_id = cache.add_sequence()
-        logits = prefill(model, cache, seq.seq_id, torch.tensor(seq.out.prompt_token_ids), chunk_size=prefill_chunk)
-        stats.prefill_seconds += time.perf_counter() - t_start
-        stats.prompt_tokens += len(seq.out.prompt_token_ids)
-        stats.kv_bytes_peak = max(stats.kv_bytes_peak, cache.kv_bytes())
-        emit(seq, sample_token(logits, params, seq.generator))
-
-    while active:
-        batch, active = active, []
-        t_start = time.perf_counter()
-        tokens = torch.tensor([s.out.token_ids[-1] for s in batch])
-        positions = torch.tensor([s.position for s in batch])
-        logits = decode_one_token(model, cache, [s.seq_id for s in batch], tokens, positions)
-        stats.kv_bytes_peak = max(stats.kv_bytes_peak, cache.kv_bytes())
-        for row, seq in enumerate(batch):
-            seq.position += 1
-            emit(seq, sample_token(logits[row], params, seq.generator))
-        stats.decode_seconds += time.perf_counter() - t_start
-        stats.decode_steps += 1
-        stats.decode_tokens += len(batch)
-    stats.generated_tokens += sum(len(s.out.token_ids) for s in seqs)
-    return [s.out for s in seqs]
+            reqs.append(req)
+            outs.append(req.out)
+    engine.run(progress=progress)
+    if stats is not None:
+        m = engine.metrics
+        stats.prompt_tokens += sum(len(p) for p in prompts)
+        stats.generated_tokens += sum(len(r.out.token_ids) for r in reqs)
+        stats.prefill_seconds += m.prefill_seconds
+        stats.decode_seconds += m.decode_seconds
+        stats.decode_steps += m.decode_steps
+        stats.decode_tokens += m.decode_tokens
+        stats.kv_bytes_peak = max(stats.kv_bytes_peak, m.kv_bytes_peak)
+    return outs

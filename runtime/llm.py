@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from tieredkv.errors import ConfigError
 from tieredkv.models.cache import KVCache
@@ -96,9 +97,14 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | None = None, *, chat: bool = False,
-                 on_token: Callable[[TokenEvent], bool | None] | None = None) -> list[Completion]:
-        """Generate a completion for each prompt (text, or token ids). Statistics of the
-        call are left in ``self.last_stats``."""
+                 on_token: Callable[[TokenEvent], bool | None] | None = None, errors: str = "raise",
+                 progress: bool | None = None) -> list[Completion]:
+        """Generate a completion for each prompt (text, or token ids), in input order, through the
+        serving engine (all prompts admitted as the KV budget allows, decoded together).
+        ``errors``: ``"raise"`` checks every prompt first and raises the first error;
+        ``"report"`` gives a prompt that cannot run a completion with finish reason ``error``
+        and goes on with the others. ``progress``: a progress bar per finished request (None:
+        when stderr is a terminal). Statistics of the call are left in ``self.last_stats``."""
         if isinstance(prompts, str):
             prompts = [prompts]
         ids = [self.encode(p, chat=chat) if isinstance(p, str) else list(p) for p in prompts]
@@ -108,8 +114,12 @@ class LLM:
         full = min(max(len(p) for p in ids) + params.max_new_tokens, self.config.max_position_embeddings) \
             if ids else None
         self.last_cache = self.new_cache(full_tokens=full, num_sequences=len(ids))
+        bar = tqdm(total=len(ids), unit="req", desc="generate", disable=None if progress is None else not progress,
+                   leave=False)
         try:
             return generate(self.model, self.last_cache, ids, params, tokenizer=self.tokenizer,
-                            on_token=on_token, prefill_chunk=self.prefill_chunk, stats=self.last_stats)
+                            on_token=on_token, prefill_chunk=self.prefill_chunk, stats=self.last_stats,
+                            errors=errors, progress=bar)
         finally:
+            bar.close()
             self.last_cache.close()  # its statistics stay readable

@@ -1,0 +1,356 @@
+"""The serving engine: many requests through one model and one KV cache, continuously.
+
+``Engine`` is synchronous: ``add_request`` / ``abort`` between steps, ``step`` runs one
+scheduler step (chunked prefill and decode under the step's token budget, see
+``scheduler.py``) and returns the tokens it produced. ``AsyncEngine`` runs an Engine on a
+thread of its own for asyncio servers: ``generate`` streams one request's tokens, and
+leaving the stream early (a client disconnect) cancels it. The engine is the only owner of
+the cache; cancellation, abort and errors are ordinary events that release the request's
+pages (keeping its full pages in the prefix index when reuse is on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from typing import AsyncIterator, Callable, Sequence
+
+import torch
+
+from tieredkv.errors import ConfigError, TieredKVError
+from tieredkv.models.cache import KVCache
+from tieredkv.models.llama import decode_one_token
+from tieredkv.models.tokenizer import Tokenizer
+from tieredkv.runtime.sampling import SamplingParams, sample_token
+from tieredkv.runtime.serving.metrics import ServingMetrics, StepSample
+from tieredkv.runtime.serving.prefix import PrefixConfig, PrefixIndex
+from tieredkv.runtime.serving.request import Completion, OnToken, Request, RequestStatus, TokenEvent
+from tieredkv.runtime.serving.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+
+ON_ERROR = ("fail", "raise")
+
+
+class Engine:
+    """``cache``: the engine's KV cache (a paged cache with ``max_pages`` set, or a tiered
+    cache with byte budgets, bounds the KV memory); ``prefix``: a PrefixConfig turns on
+    prefix reuse (tiered cache only); ``model_id``: the prefix keys' model key;
+    ``on_error``: ``fail`` ends a request whose step raised with finish reason ``error``
+    (the others go on), ``raise`` lets the exception out (a batch job's choice)."""
+
+    def __init__(self, model, cache: KVCache, *, tokenizer: Tokenizer | None = None,
+                 scheduler: SchedulerConfig | None = None, prefix: PrefixConfig | None = None,
+                 model_id: str | None = None, on_error: str = "fail",
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        if on_error not in ON_ERROR:
+            raise ConfigError(f"on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
+        self.model, self.cache, self.tokenizer = model, cache, tokenizer
+        self.config = scheduler or SchedulerConfig()
+        self.on_error, self.clock = on_error, clock
+        mc = model.config
+        self.context = mc.max_position_embeddings
+        self.eos_ids = frozenset(mc.eos_token_ids) | frozenset(tokenizer.eos_token_ids if tokenizer else ())
+        self.prefix = None
+        if prefix is not None:
+            if not hasattr(cache, "hold_pages"):
+                raise ConfigError("prefix reuse needs the tiered KV cache (its page table shares pages between "
+                                  "sequences); the paged cache has no shared pages")
+            self.prefix = PrefixIndex(cache, prefix, model_id=model_id or mc.name)
+        self.scheduler = Scheduler(cache, self.config, context=self.context, prefix=self.prefix,
+                                   open_sequence=self._open, close_sequence=self._close)
+        self.page_size = self.scheduler.page_size
+        self.requests: dict[str, Request] = {}
+        self.metrics = ServingMetrics()
+        self._ids = itertools.count()
+        self._kv_token_bytes = cache.spec.token_bytes_per_layer * cache.spec.num_layers
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, salt: str | None = None, on_token: OnToken | None = None,
+                    on_finish: Callable[[Request], None] | None = None) -> Request:
+        """Queue a request (token ids). Raises a typed error — and queues nothing — when it could
+        never run (empty, longer than the served length, more KV than the budget holds) or its
+        id is in use."""
+        index = next(self._ids)
+        request_id = str(index) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ConfigError(f"request id {request_id!r} is already in use")
+        req = Request(index, request_id, list(prompt), params or SamplingParams(), tokenizer=self.tokenizer,
+                      arrival=self.clock(), salt=salt, on_token=on_token)
+        req.on_finish = on_finish
+        if self.prefix is not None:
+            req.chain = self.prefix.chain(salt)
+        self.scheduler.add(req)
+        self.requests[request_id] = req
+        if self.metrics.start is None:
+            self.metrics.start = req.metrics.arrival
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request wherever it is (between steps); False when it is unknown or done."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        self._finish(req, "cancelled")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ sequences
+    def _open(self, req: Request) -> None:
+        """An admitted request's sequence in the cache, starting with its prefix-index hits."""
+        hits: list[int] = []
+        if self.prefix is not None:
+            hits = self.prefix.match(req.chain, req.tokens)
+            if req.metrics.first_scheduled is None:
+                req.metrics.cached_tokens = len(hits) * self.page_size
+                for tier in self.cache.page_tiers(hits) if hits else ():
+                    req.metrics.prefix_hit_pages[tier] = req.metrics.prefix_hit_pages.get(tier, 0) + 1
+        req.seq_id = self.cache.add_sequence(shared=hits) if hits else self.cache.add_sequence()
+        req.computed = len(hits) * self.page_size
+        if req.metrics.first_scheduled is None:
+            req.metrics.first_scheduled = self.clock()
+
+    def _publish(self, req: Request) -> None:
+        if self.prefix is not None and req.seq_id is not None:
+            self.prefix.publish(req.chain, req.seq_id, req.tokens[: req.computed])
+
+    def _close(self, req: Request) -> None:
+        """Free a request's sequence (its full pages stay in the prefix index)."""
+        if req.seq_id is None:
+            return
+        self._publish(req)
+        self.cache.free_sequence(req.seq_id)
+        req.seq_id, req.computed = None, 0
+
+    def _finish(self, req: Request, reason: str | None = None, error: str | None = None) -> None:
+        if reason is not None:
+            req.out.finish_reason = reason
+        req.out.error = error
+        self.scheduler.abort(req)
+        self._close(req)
+        req.status = RequestStatus.FINISHED
+        m = req.metrics
+        m.finished = self.clock()
+        m.output_tokens = len(req.out.token_ids)
+        self.metrics.requests.append(m)
+        r = req.out.finish_reason or "unknown"
+        self.metrics.finish_reasons[r] = self.metrics.finish_reasons.get(r, 0) + 1
+        for kind, n in m.preemptions.items():
+            self.metrics.preemptions[kind] = self.metrics.preemptions.get(kind, 0) + n
+        if req.on_finish is not None:
+            req.on_finish(req)
+
+    def _emit(self, req: Request, logits: torch.Tensor, events: list[TokenEvent]) -> None:
+        token = sample_token(logits, req.params, req.generator)
+        event = req.accept(token, self.eos_ids, self.scheduler.max_len)
+        now = self.clock()
+        if req.metrics.first_token is None:
+            req.metrics.first_token = now
+        req.metrics.token_times.append(now)
+        events.append(event)
+        if req.on_token is not None and req.on_token(event) is False and req.out.finish_reason is None:
+            req.out.finish_reason = "cancelled"
+        if req.out.finish_reason is not None:
+            self._finish(req)
+
+    def _failed(self, reqs: list[Request], exc: Exception) -> None:
+        if self.on_error == "raise" or not isinstance(exc, (TieredKVError, RuntimeError, ValueError)):
+            raise exc
+        for req in reqs:
+            if not req.finished:
+                self._finish(req, "error", f"{type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[TokenEvent]:
+        """One scheduler step; returns the tokens produced (also streamed to the callbacks)."""
+        return self._run(self.scheduler.schedule())
+
+    @torch.no_grad()
+    def _run(self, step: ScheduledStep) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
+        # the scheduler sizes chunks to the KV budget; alone, a sequence also keeps the cache's own
+        # per-step limit (what a plain prefill() would do)
+        limit = self.cache.max_step_tokens() if len(self.scheduler.running) <= 1 else None
+        t_start = self.clock()
+        for req, n in step.prefills:
+            try:
+                while n > 0:  # the cache may take fewer tokens per forward call than the chunk
+                    k = n if limit is None else min(n, limit)
+                    lo = req.computed
+                    tokens = torch.tensor(req.tokens[lo: lo + k]).unsqueeze(0)
+                    logits = self.model(tokens, torch.arange(lo, lo + k).unsqueeze(0), self.cache, [req.seq_id],
+                                        last_only=True)
+                    req.computed += k
+                    n -= k
+            except Exception as exc:  # noqa: BLE001 - one request's failure ends that request only
+                self._failed([req], exc)
+                continue
+            self.metrics.kv_bytes_peak = max(self.metrics.kv_bytes_peak, self.cache.kv_bytes())
+            if req.to_feed == 0:
+                self._emit(req, logits[0, -1], events)
+            self._publish(req)
+        t_prefilled = self.clock()
+        self.metrics.prefill_seconds += t_prefilled - t_start
+        if step.decodes:
+            batch = step.decodes
+            try:
+                logits = decode_one_token(self.model, self.cache, [r.seq_id for r in batch],
+                                          torch.tensor([r.tokens[-1] for r in batch]),
+                                          torch.tensor([r.computed for r in batch]))
+            except Exception as exc:  # noqa: BLE001
+                self._failed(batch, exc)
+            else:
+                self.metrics.decode_steps += 1
+                self.metrics.decode_tokens += len(batch)
+                self.metrics.kv_bytes_peak = max(self.metrics.kv_bytes_peak, self.cache.kv_bytes())
+                for row, req in enumerate(batch):
+                    req.computed += 1
+                    self._emit(req, logits[row], events)
+                    if not req.finished and req.computed % self.page_size == 0:
+                        self._publish(req)
+            self.metrics.decode_seconds += self.clock() - t_prefilled
+        if self.prefix is not None:
+            self.prefix.sweep()
+        self._sample(step.num_tokens)
+        return events
+
+    def _sample(self, tokens: int) -> None:
+        s, now = self.scheduler, self.clock()
+        used = sum(r.computed for r in s.running) * self._kv_token_bytes
+        tiers: dict[str, int] = {}
+        if s.tiered:
+            allocated = self.cache.kv_bytes()
+            used = self.cache.resident_token_bytes()
+            tiers = self.cache.mgr.tier_bytes()
+        else:
+            pages = s._device_need({}) if s.capacity is not None else sum(
+                -(-r.computed // self.page_size) for r in s.running)
+            allocated = pages * self.page_size * self._kv_token_bytes
+        self.metrics.steps.append(StepSample(now, len(s.running), len(s.waiting), len(s.paused), tokens,
+                                             allocated, used, tiers))
+        self.metrics.end = now
+
+    def run(self, *, progress=None) -> None:
+        """Step until every request is finished; ``progress``: a tqdm-like bar advanced per
+        finished request."""
+        done = sum(r.finished for r in self.requests.values())
+        while self.has_unfinished():
+            self.step()
+            if progress is not None:
+                now = sum(r.finished for r in self.requests.values())
+                progress.update(now - done)
+                done = now
+        if self.prefix is not None:
+            self.metrics.prefix = self.prefix.stats.to_dict()
+
+    def summary(self) -> dict:
+        if self.prefix is not None:
+            self.metrics.prefix = self.prefix.stats.to_dict()
+        return self.metrics.summary()
+
+
+_DONE = object()
+
+
+class AsyncEngine:
+    """An Engine stepped on a background thread; asyncio front doors submit, stream and
+    cancel. ``start()`` before use, ``shutdown()`` at the end (or ``async with``)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.error: BaseException | None = None
+
+    async def __aenter__(self) -> "AsyncEngine":
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="tieredkv-engine", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self.engine.has_unfinished():
+                    self._wake.wait()
+                if self._stop:
+                    for req in list(self.engine.requests.values()):
+                        if not req.finished:
+                            self.engine.abort(req.request_id)
+                    return
+                try:
+                    self.engine.step()
+                except BaseException as exc:  # noqa: BLE001 - the engine is broken: end every stream
+                    self.error = exc
+                    for req in list(self.engine.requests.values()):
+                        if not req.finished:
+                            self.engine._finish(req, "error", f"engine failure: {type(exc).__name__}: {exc}")
+                    self._stop = True
+                    return
+
+    def _submit(self, prompt, params, request_id, salt, queue: asyncio.Queue,
+                loop: asyncio.AbstractEventLoop) -> Request:
+        put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
+        with self._lock:
+            if self._stop:
+                raise ConfigError("the engine is shut down")
+            req = self.engine.add_request(prompt, params, request_id=request_id, salt=salt, on_token=put,
+                                          on_finish=lambda r: put(_DONE))
+            self._wake.notify_all()
+        return req
+
+    async def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
+                          request_id: str | None = None, salt: str | None = None) -> tuple[Request, asyncio.Queue]:
+        """Queue a request; returns it and the queue its events arrive on (ending with a
+        finished request's sentinel). Typed errors as Engine.add_request."""
+        queue: asyncio.Queue = asyncio.Queue()
+        req = await asyncio.to_thread(self._submit, list(prompt), params, request_id, salt, queue,
+                                      asyncio.get_running_loop())
+        return req, queue
+
+    async def generate(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
+                       request_id: str | None = None, salt: str | None = None) -> AsyncIterator[TokenEvent]:
+        """Stream one request's token events. Leaving the iteration early cancels the request."""
+        req, queue = await self.add_request(prompt, params, request_id=request_id, salt=salt)
+        try:
+            while True:
+                item = await queue.get()
+                if item is _DONE:
+                    return
+                yield item
+        finally:
+            if not req.finished:
+                await self.abort(req.request_id)
+
+    async def complete(self, prompt: Sequence[int], params: SamplingParams | None = None, **kw) -> Completion:
+        """The whole completion of one request."""
+        req, queue = await self.add_request(prompt, params, **kw)
+        while await queue.get() is not _DONE:
+            pass
+        return req.out
+
+    async def abort(self, request_id: str) -> bool:
+        def _abort() -> bool:
+            with self._lock:
+                return self.engine.abort(request_id)
+
+        return await asyncio.to_thread(_abort)

@@ -1,0 +1,345 @@
+"""The scheduler: which requests hold KV, and what each step feeds.
+
+Each step (``Scheduler.schedule``):
+  1. **Admission**, oldest first: paused requests resume, then waiting ones join, while the
+     sequence cap (``max_num_seqs``) and the KV budget allow (below). A request whose
+     prompt and output could never fit is refused at submission (:meth:`Scheduler.check`).
+  2. **The step's work** under one token budget (``max_num_batched_tokens``): every running
+     request that is decoding feeds its one token; the rest of the budget goes to prefill
+     chunks (at most ``prefill_chunk`` tokens each), oldest request first.
+  3. **Room for the step**: when the KV the step needs exceeds the budget (optimistic
+     admission lets requests grow into it), or no running request has room for its next
+     prefill page, running requests are preempted — the most recently admitted first (the
+     work lost is the least; the oldest requests finish first) — by *demotion* (tiered cache:
+     the victim's pages leave the device for the host / disk tier; it resumes later with
+     nothing recomputed) or by *recompute* (its pages are freed; it re-prefills its prompt
+     and output so far, from the prefix index where reuse is on).
+
+The KV budget is counted in pages per layer of the device (every layer holds the same
+records). What a running request needs on the device:
+  * paged cache: every page of its tokens;
+  * tiered cache: its hot window only (T0: sink pages, recent window, the page being
+    written) — the rest of its pages may live on the host and disk. A prefill chunk also
+    needs its new pages on the device while it is written.
+Admission policies (``admission``):
+  * ``contiguous``: reserve the model's full context per request, as a contiguous
+    max-length preallocation does (the baseline of the design note; paged cache only);
+  * ``reserve``: reserve what the request can reach (prompt + max_new_tokens; for the
+    tiered cache a full hot window) — no request is ever preempted;
+  * ``optimistic``: admit when what the request needs now fits; preempt when growth does
+    not. On the tiered cache, the host tier is always reserved to completion (when it is
+    bounded and there is no disk tier), the index's unlisted prefix pages giving way first.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tieredkv.errors import ConfigError, ContextLengthError, KVCacheFullError, short
+from tieredkv.runtime.paged import PagedKVCache
+from tieredkv.runtime.serving.request import Request, RequestStatus
+
+ADMISSION = ("contiguous", "reserve", "optimistic")
+PREEMPTION = ("auto", "demote", "recompute")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """``max_num_seqs``: requests holding KV at once; ``max_num_batched_tokens``: tokens fed per
+    step, decode and prefill together (None: no limit — every admitted prompt is prefilled in
+    the step it is admitted, a batch job's throughput setting); ``prefill_chunk``: the most
+    tokens of one prompt per forward call; ``admission`` / ``preemption``: see the module
+    docstring (``auto``: demote on the tiered cache, recompute on the others); ``max_model_len``: the longest sequence served (default: the model's context)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = 2048
+    prefill_chunk: int = 512
+    admission: str = "optimistic"
+    preemption: str = "auto"
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, low in (("max_num_seqs", 1), ("prefill_chunk", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= 1 << 20:
+                raise ConfigError(f"{name} must be an integer in [{low}, {1 << 20}], got {short(value)}")
+        for name in ("max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 1 <= value <= 1 << 24):
+                raise ConfigError(f"{name} must be None or an integer in [1, {1 << 24}], got {short(value)}")
+        if self.admission not in ADMISSION:
+            raise ConfigError(f"admission must be one of {list(ADMISSION)}, got {short(self.admission)}")
+        if self.preemption not in PREEMPTION:
+            raise ConfigError(f"preemption must be one of {list(PREEMPTION)}, got {short(self.preemption)}")
+
+
+@dataclass
+class ScheduledStep:
+    """One step's work: prefill chunks (request, tokens) and the decoding requests; the
+    requests preempted to make room for it, by kind."""
+
+    prefills: list[tuple[Request, int]] = field(default_factory=list)
+    decodes: list[Request] = field(default_factory=list)
+    preempted: list[tuple[Request, str]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.prefills) + len(self.decodes)
+
+
+def _pages(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+class Scheduler:
+    """Request queues and the KV budget of one cache (see the module docstring). The engine
+    owns the cache; the scheduler only counts, except for preemption and resumption, which
+    it asks of the cache."""
+
+    def __init__(self, cache, config: SchedulerConfig, *, context: int, prefix=None,
+                 open_sequence: Callable[[Request], None], close_sequence: Callable[[Request], None]) -> None:
+        """``open_sequence(req)`` gives an admitted request its sequence in the cache (with its
+        prefix-index hits); ``close_sequence(req)`` frees it (a recompute preemption)."""
+        self.cache, self.config, self.prefix = cache, config, prefix
+        self._open, self._close = open_sequence, close_sequence
+        self.max_len = min(context, config.max_model_len or context)
+        self.tiered = not isinstance(cache, PagedKVCache) and hasattr(cache, "pause")
+        paged = isinstance(cache, PagedKVCache)
+        # a cache without pages (the contiguous oracle) is counted in tokens, without a budget
+        self.page_size = cache.config.page_size if self.tiered else cache.page_size if paged else 1
+        self.preemption = config.preemption
+        if self.preemption == "auto":
+            self.preemption = "demote" if self.tiered else "recompute"
+        if self.preemption == "demote" and not self.tiered:
+            raise ConfigError("preemption 'demote' needs the tiered cache (pages have somewhere to go); use "
+                              "preemption = 'recompute' with the paged cache")
+        if config.admission == "contiguous" and self.tiered:
+            raise ConfigError("admission 'contiguous' models max-length preallocation on the paged cache; "
+                              "use 'reserve' or 'optimistic' with the tiered cache")
+        if self.tiered:
+            w = cache.config.window
+            self._sink, self._recent = w.sink_tokens, w.recent_tokens
+            self.capacity = cache.mgr.resident_cap
+            self.host_capacity = None if cache.mgr.disk is not None else cache.budgets.host_pages
+        else:
+            self.capacity = cache.config.max_pages if paged else None
+            self.host_capacity = None
+        self.waiting: deque[Request] = deque()  # new and recompute-preempted requests, oldest first
+        self.paused: deque[Request] = deque()  # demotion-preempted, in preemption order
+        self.running: list[Request] = []  # in admission order
+        self._admissions = 0
+
+    # ------------------------------------------------------------------ what a request needs
+    def _hot(self, tokens: int) -> int:
+        """T0 pages of a tiered sequence of ``tokens`` tokens (PageTable.update_t0's rule)."""
+        P = self.page_size
+        n = _pages(tokens, P)
+        if n == 0:
+            return 0
+        sink = min(_pages(self._sink, P), n)
+        first_recent = min(max(0, tokens - self._recent) // P, n - 1)
+        return sink + (n - max(first_recent, sink))
+
+    def _final(self, req: Request) -> int:
+        """The tokens a request can reach."""
+        return min(self.max_len, len(req.prompt) + req.params.max_new_tokens)
+
+    def _reserved(self, req: Request) -> int:
+        """Device pages reserved for ``req`` whatever its length (0: none, it is counted as it grows)."""
+        a, P = self.config.admission, self.page_size
+        if a == "contiguous":
+            return _pages(self.max_len, P)
+        if a == "reserve":
+            return self.cache.config.t0_pages if self.tiered else _pages(self._final(req), P)
+        return 0
+
+    def _need(self, req: Request, new: int) -> int:
+        """Device pages ``req`` holds after feeding ``new`` more tokens (while it writes them)."""
+        now, after = req.computed, req.computed + new
+        if self.tiered:
+            grown = self._hot(now) + _pages(after, self.page_size) - _pages(now, self.page_size)
+            held = max(self._hot(after), grown)
+            if req.to_feed > 1:  # prefilling: what it was admitted with stays counted
+                held = max(held, self._soon(req))
+        else:
+            held = _pages(after, self.page_size)
+        return max(held, self._reserved(req))
+
+    def _device_need(self, plan: dict[Request, int], extra: Request | None = None, extra_new: int = 0) -> int:
+        total = sum(self._need(r, plan.get(r, 0)) for r in self.running)
+        if extra is not None:
+            total += self._need(extra, extra_new)
+        return total
+
+    def _host_need(self, extra: Request | None = None) -> int:
+        """Host pages reserved to completion: every request holding pages, and the prefix
+        index's pages a request lists (those only the index holds can be dropped)."""
+        reqs = self.running + list(self.paused) + ([extra] if extra is not None else [])
+        return sum(_pages(self._final(r), self.page_size) for r in reqs)
+
+    def _host_fits(self, extra: Request) -> bool:
+        if self.host_capacity is None:
+            return True
+        need = self._host_need(extra)
+        cached = len(self.prefix.unlisted()) if self.prefix is not None else 0
+        short_by = need + cached - self.host_capacity
+        if short_by > 0 and self.prefix is not None:
+            self.prefix.evict(short_by)
+            cached = len(self.prefix.unlisted())
+        return need + cached <= self.host_capacity
+
+    # ------------------------------------------------------------------ submission
+    def check(self, req: Request) -> None:
+        """Refuse a request that could never run: longer than the served length, or needing
+        more KV than the whole budget holds."""
+        n = len(req.prompt)
+        if n == 0:
+            raise ContextLengthError(f"request {req.request_id}: the prompt is empty; expected at least one token")
+        if n >= self.max_len:
+            raise ContextLengthError(
+                f"request {req.request_id}: the prompt has {n} tokens; the served length is {self.max_len} tokens, "
+                f"so a prompt may have at most {self.max_len - 1} (one position must remain to generate)")
+        P = self.page_size
+        if self.capacity is not None:
+            final = self._final(req)
+            alone = max(self._reserved(req), self._hot(final) if self.tiered else _pages(final, P))
+            if alone > self.capacity:
+                what = "its hot window" if self.tiered else f"its {final} tokens"
+                raise KVCacheFullError(
+                    f"request {req.request_id}: needs {alone} device pages per layer ({what}); the KV budget holds "
+                    f"{self.capacity}. Raise the budget, or lower max_new_tokens or the prompt")
+        if self.host_capacity is not None and _pages(self._final(req), P) > self.host_capacity:
+            raise KVCacheFullError(
+                f"request {req.request_id}: its {self._final(req)} tokens need {_pages(self._final(req), P)} host "
+                f"pages per layer; the host budget holds {self.host_capacity} and there is no disk tier")
+
+    def add(self, req: Request) -> None:
+        self.check(req)
+        self.waiting.append(req)
+
+    def abort(self, req: Request) -> None:
+        """Take a request out of every queue (the engine frees its pages)."""
+        for queue in (self.waiting, self.paused):
+            if req in queue:
+                queue.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.paused or self.running)
+
+    # ------------------------------------------------------------------ one step
+    def _fits(self, plan: dict[Request, int], extra: Request | None = None, extra_new: int = 0) -> bool:
+        return self.capacity is None or self._device_need(plan, extra, extra_new) <= self.capacity
+
+    def _admissible(self, req: Request) -> bool:
+        """Whether a waiting request fits next to the running ones: its reservation, or (optimistic)
+        what it needs soon — the pages of its first prefill chunk (paged), its hot window once
+        its prompt is in (tiered)."""
+        if self.capacity is None:
+            return True
+        return self._device_need({}) + max(self._soon(req), self._reserved(req)) <= self.capacity
+
+    def _soon(self, req: Request) -> int:
+        """Device pages a request needs to make progress once admitted: its hot window once its
+        prompt is in and a page to write into (tiered); its first prefill chunk (paged)."""
+        if self.tiered:
+            return self._hot(len(req.tokens) + 1) + 1
+        return _pages(min(len(req.tokens), self.config.prefill_chunk), self.page_size)
+
+    def _admit(self, step: ScheduledStep) -> None:
+        while self.paused and len(self.running) < self.config.max_num_seqs:
+            req = self.paused[0]
+            if not self._fits({}, req, 0):
+                break
+            self.paused.popleft()
+            self.cache.resume(req.seq_id)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        if self.paused:
+            return  # paused requests go first
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if not self._admissible(req) or not self._host_fits(req):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.admitted_at = self._admissions
+            self._admissions += 1
+            self.running.append(req)
+            self._open(req)
+
+    def schedule(self) -> ScheduledStep:
+        step = ScheduledStep()
+        self._admit(step)
+        while True:
+            plan = self._plan(step)
+            if plan or not self.running:
+                break
+            # every running request is prefilling and none has room for a page: the newest gives way
+            if len(self.running) == 1:
+                raise KVCacheFullError(f"request {self.running[0].request_id} alone needs more KV than the budget "
+                                       f"holds ({self.capacity} device pages per layer)")
+            self._preempt(max(self.running, key=lambda r: r.admitted_at), step)
+        for req in self.running:
+            if req in plan:
+                if self._decoding(req):
+                    step.decodes.append(req)
+                else:
+                    step.prefills.append((req, plan[req]))
+        return step
+
+    def _plan(self, step: ScheduledStep) -> dict[Request, int]:
+        """Tokens per running request this step (preempting where decodes outgrow the budget)."""
+        budget = self.config.max_num_batched_tokens
+        left = float("inf") if budget is None else budget
+        plan: dict[Request, int] = {}
+        for req in self.running:
+            if self._decoding(req) and left >= 1:
+                plan[req] = 1
+                left -= 1
+        while not self._fits(plan):  # growth beyond the budget: preempt the newest
+            victim = max((r for r in self.running), key=lambda r: r.admitted_at)
+            if len(self.running) == 1:
+                raise KVCacheFullError(f"request {victim.request_id} alone needs more KV than the budget holds")
+            self._preempt(victim, step)
+            plan.pop(victim, None)
+        for req in sorted(self.running, key=lambda r: r.admitted_at):
+            if left <= 0:
+                break
+            if req in plan or self._decoding(req):
+                continue
+            n = int(min(req.to_feed, self.config.prefill_chunk, left))
+            while n > 0 and not self._fits({**plan, req: n}):  # shrink the chunk to what fits
+                n = n - self.page_size if n > self.page_size else 0
+            if n <= 0:
+                continue
+            plan[req] = n
+            left -= n
+        return plan
+
+    @staticmethod
+    def _decoding(req: Request) -> bool:
+        """Past its prompt: feeds the one token it sampled last."""
+        return req.seq_id is not None and req.to_feed == 1 and bool(req.out.token_ids)
+
+    def _preempt(self, victim: Request, step: ScheduledStep) -> None:
+        self.running.remove(victim)
+        kind = self.preemption
+        if kind == "demote":
+            self.cache.pause(victim.seq_id)
+            victim.status = RequestStatus.PAUSED
+            self.paused.append(victim)
+        else:
+            self._close(victim)
+            victim.status = RequestStatus.WAITING
+            self.waiting.appendleft(victim)
+        victim.metrics.preemptions[kind] = victim.metrics.preemptions.get(kind, 0) + 1
+        step.preempted.append((victim, kind))
+
+    def finish(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
