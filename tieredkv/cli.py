@@ -291,6 +291,12 @@ def cmd_eval_passkey(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_bench(args: argparse.Namespace) -> int:
+    from tieredkv.runtime.serving.bench import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
 # ------------------------------------------------------------------------------ parser
 def _positive_int(text: str) -> int:
     value = int(text)
@@ -361,6 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
     ek.add_argument("--json", action="store_true")
     _add_kv_args(ek)
     ek.set_defaults(func=cmd_eval_passkey)
+
+    sb = sub.add_parser("serve-bench", add_help=False,
+                        help="the serving benchmark: five arms at one KV budget (see `tieredkv serve-bench --help`)")
+    sb.add_argument("bench_args", nargs=argparse.REMAINDER)
+    sb.set_defaults(func=cmd_serve_bench)
     return parser
 
 
@@ -368,7 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     from tieredkv.lifecycle import signals_exit
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve-bench"]:  # its own parser (runtime/serving/bench.py) reads the rest
+        args = argparse.Namespace(func=cmd_serve_bench, bench_args=argv[1:])
+    else:
+        args = parser.parse_args(argv)
     try:
         with signals_exit():
             return args.func(args)

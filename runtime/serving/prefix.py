@@ -77,7 +77,8 @@ class HashChain:
     keys: list[bytes] = field(default_factory=list)
 
     def extend(self, tokens: Sequence[int]) -> list[bytes]:
-        """Keys of every full page of ``tokens`` (which start with the pages already keyed)."""
+        """Keys of every full page of ``tokens`` (which start with the pages already keyed); the
+        list returned is every key computed so far (it may run ahead of ``tokens``)."""
         P = self.page_size
         for i in range(len(self.keys), len(tokens) // P):
             parent = self.keys[-1] if self.keys else self.root
@@ -155,7 +156,7 @@ class PrefixIndex:
         """Index the full pages of sequence ``seq_id`` (whose tokens are ``tokens``) not indexed
         yet; a key already indexed under another record keeps that record. Returns the pages
         newly indexed."""
-        keys = chain.extend(tokens)
+        keys = chain.extend(tokens)[: len(tokens) // self.page_size]  # the chain may run ahead (match)
         records = self.cache.records_of(seq_id)[: len(keys)]
         new = []
         for key, rec in zip(keys, records):

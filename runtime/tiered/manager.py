@@ -139,6 +139,12 @@ class TierManager:
     def add_sequence(self, seq: int, shared: Sequence[int] = ()) -> None:
         """A new sequence; ``shared``: full pages of live sequences it starts with (reference-counted)."""
         self.table.add_sequence(seq, shared)
+        if len(shared):
+            try:
+                self._pin_hot(seq)  # shared pages in its hot window come back onto the device
+            except KVCacheFullError:
+                self.free_sequence(seq)
+                raise
 
     def free_sequence(self, seq: int) -> None:
         self._unlist(self.records_of(seq))
@@ -176,6 +182,8 @@ class TierManager:
             if len(layers):
                 pool.release(layers, sub[layers, cols])
                 slots[layers, recs[cols]] = -1
+                if pool is self.warm:
+                    self.metrics.warm_drops += len(layers)
 
     # ------------------------------------------------------------------ prefix index and preemption
     def hold(self, recs: torch.Tensor) -> None:
@@ -210,20 +218,30 @@ class TierManager:
         demoted by policy to make room). KVCacheFullError when the device cannot take it."""
         t = self.table
         t.paused.discard(seq)
+        try:
+            self._pin_hot(seq)
+        except KVCacheFullError:
+            t.paused.add(seq)
+            t.update_t0(self.config.window.sink_tokens, self.config.window.recent_tokens)
+            raise
+        self.metrics.resumed_sequences += 1
+
+    def _pin_hot(self, seq: int) -> None:
+        """Bring the hot window (T0) of ``seq`` onto the device, demoting other pages by policy."""
+        t = self.table
         t.update_t0(self.config.window.sink_tokens, self.config.window.recent_tokens)
         recs = self.records_of(seq)
         recs = recs[t.t0[recs]]
         want = torch.zeros(self.L, t.capacity, dtype=torch.bool)
         want[:, recs] = t.device_slot[:, recs] < 0
+        if not want.any():
+            return
         room = self._make_room(want.sum(1), protect=want)
         if bool((room < want.sum(1)).any()):
-            t.paused.add(seq)
-            t.update_t0(self.config.window.sink_tokens, self.config.window.recent_tokens)
             raise KVCacheFullError(f"the device budget ({self.resident_cap} resident pages per layer) cannot take "
-                                   f"sequence {seq}'s hot window back: every resident page is pinned")
+                                   f"sequence {seq}'s hot window: every resident page is pinned")
         layers, cols = want.nonzero(as_tuple=True)
         self.admit(layers, cols)
-        self.metrics.resumed_sequences += 1
 
     def pinned_pages(self) -> int:
         """Records pinned on the device (T0 of the running sequences), per layer."""
@@ -564,6 +582,12 @@ class TierManager:
         if len(recs) == 0:
             return
         t = self.table
+        if self.warm is not None:  # a warm (compressed) copy gives way to the exact page
+            warm = t.warm_slot[layers, recs] >= 0
+            if warm.any():
+                self.warm.release(layers[warm], t.warm_slot[layers[warm], recs[warm]])
+                t.warm_slot[layers[warm], recs[warm]] = -1
+                self.metrics.warm_promotions += int(warm.sum())
         slots = self.device.alloc(layers, recs)
         assert slots is not None, "admit() called without room"
         fresh = torch.ones(len(recs), dtype=torch.bool) if already_streamed is None else ~already_streamed
