@@ -64,10 +64,15 @@ def validate_prompts(prompts: Sequence[Sequence[int]], context: int) -> None:
             )
 
 
-def batch_scheduler(num_prompts: int, prefill_chunk: int, cache: KVCache) -> SchedulerConfig:
-    """A batch job's schedule: every prompt admitted at once (as the KV budget allows), each
-    prefilled whole in the step it is admitted, then decoded together."""
-    return SchedulerConfig(max_num_seqs=max(1, num_prompts), max_num_batched_tokens=None,
+#: the most prompts of a batch job decoded together (more wait for a slot, as in vLLM)
+BATCH_MAX_SEQS = 256
+
+
+def batch_scheduler(num_prompts: int, prefill_chunk: int) -> SchedulerConfig:
+    """A batch job's schedule: the prompts admitted at once (as the KV budget and
+    ``BATCH_MAX_SEQS`` allow), each prefilled whole in the step it is admitted, then decoded
+    together; the rest join as others finish."""
+    return SchedulerConfig(max_num_seqs=min(max(1, num_prompts), BATCH_MAX_SEQS), max_num_batched_tokens=None,
                            prefill_chunk=prefill_chunk, admission="optimistic")
 
 
@@ -89,7 +94,7 @@ def generate(model: Llama, cache: KVCache, prompts: Sequence[Sequence[int]], par
         raise ConfigError(f"errors must be one of {list(ERRORS)}, got {errors!r}")
     if errors == "raise":
         validate_prompts(prompts, model.config.max_position_embeddings)
-    engine = Engine(model, cache, tokenizer=tokenizer, scheduler=batch_scheduler(len(prompts), prefill_chunk, cache),
+    engine = Engine(model, cache, tokenizer=tokenizer, scheduler=batch_scheduler(len(prompts), prefill_chunk),
                     on_error="raise" if errors == "raise" else "fail")
     outs: list[Completion] = []
     reqs = []

@@ -19,7 +19,8 @@ Workloads, all built from the Paul Graham essays with the model's tokenizer:
   * ``chat`` — customer-service-like conversations: one shared system prompt, then turns
     whose prompt is the whole history (system + earlier user turns + the model's answers)
     plus a new user message;
-  * ``docs`` — long documents (``doc_tokens``) each asked several short questions;
+  * ``docs`` — long documents (``doc_tokens``) each asked several short questions (a
+    document's second question arrives after the other documents' first);
   * ``unique`` — the no-sharing control: chat-sized single prompts that share nothing.
 A closed loop keeps ``clients`` sessions in flight (a client starts its next session when
 one ends; a session's turns run one after another); an open loop starts sessions at
@@ -135,16 +136,12 @@ def make_sessions(workload: str, ids: list[int], *, sessions: int, seed: int = 0
     if workload == "unique":
         return [Session(f"u{i}", [], [_slices(ids, 1, system_tokens + rng.randint(*user_tokens), rng)[0]],
                         max_new_tokens, conversation=False) for i in range(sessions)]
-    if workload == "docs":
-        out = []
+    if workload == "docs":  # question-major: a document's later questions come after other documents'
         ndocs = max(1, math.ceil(sessions / questions))
-        for d in range(ndocs):
-            doc = _slices(ids, 1, rng.randint(*doc_tokens), rng)[0]
-            for q in range(questions):
-                if len(out) < sessions:
-                    out.append(Session(f"d{d}q{q}", doc, [_slices(ids, 1, rng.randint(12, 24), rng)[0]],
-                                       max_new_tokens, conversation=False))
-        return out
+        docs = [_slices(ids, 1, rng.randint(*doc_tokens), rng)[0] for _ in range(ndocs)]
+        out = [Session(f"d{d}q{q}", docs[d], [_slices(ids, 1, rng.randint(12, 24), rng)[0]], max_new_tokens,
+                       conversation=False) for q in range(questions) for d in range(ndocs)]
+        return out[:sessions]
     raise ConfigError(f"unknown workload {workload!r}; expected one of {list(WORKLOADS)}")
 
 
@@ -298,7 +295,8 @@ def row(res: RunResult, slo_tpot: float | None = None) -> dict:
         "requests": s["requests"], "rejected": res.rejected, "errors": res.errors, "timeouts": res.timeouts,
         "crashed": res.crashed, "running_max": s["kv"]["running_max"], "running_mean": s["kv"]["running_mean"],
         "queue_p50": s["queue_time"]["p50"], "queue_p99": s["queue_time"]["p99"],
-        "ttft_p50": s["ttft"]["p50"], "ttft_p99": s["ttft"]["p99"], "tpot_p50": s["tpot"]["p50"],
+        "ttft_p50": s["ttft"]["p50"], "ttft_p99": s["ttft"]["p99"], "ttft_compute_p50": s["prefill_time"]["p50"],
+        "ttft_compute_p99": s["prefill_time"]["p99"], "tpot_p50": s["tpot"]["p50"],
         "tpot_p99": tpot99, "e2e_p99": s["e2e"]["p99"], "itl_max_p99": s["itl_max"]["p99"],
         "kv_cv": s["kv"]["allocated_cv"], "kv_util": s["kv"]["utilization"],
         "kv_peak_mib": round(s["kv"]["allocated_peak"] / 2 ** 20, 1), "preemptions": s["preemptions"],
@@ -318,7 +316,7 @@ def markdown(rows: list[dict], columns: list[tuple[str, str]]) -> str:
         cells = []
         for key, _ in columns:
             v = r.get(key)
-            if key.startswith(("queue", "ttft", "tpot", "e2e", "itl")):
+            if key.startswith(("queue", "ttft", "tpot", "e2e", "itl")) and not isinstance(v, str):
                 cells.append(_ms(v))
             elif isinstance(v, float):
                 cells.append(f"{v:.3g}")
@@ -352,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", type=float, nargs="+", default=[0.1, 0.2], help="open-loop sessions per second")
     ap.add_argument("--crash-requests", type=int, default=1000)
     ap.add_argument("--crash-median", type=int, default=128, help="median prompt tokens of the crash run")
+    ap.add_argument("--crash-sigma", type=float, default=1.2, help="log-normal sigma of the crash run's prompts")
+    ap.add_argument("--crash-new-tokens", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=600.0, help="a request slower than this is a timeout (s)")
     ap.add_argument("--slo-tpot", type=float, default=1.0, help="P99 TPOT SLO in seconds (this CPU)")
     ap.add_argument("--threads", type=int, default=None)
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         section("prefix", f"Prefix reuse by tier (tiered exact, chat, {n} clients, device budget "
                           f"{args.budget_tokens // 4} tokens)", results, pcols)
     if "docs" in args.suite:
-        n = 4
+        n = 2
         sessions = make_sessions("docs", ids, sessions=args.sessions or 8, seed=args.seed,
                                  doc_tokens=tuple(args.doc_tokens), max_new_tokens=16)
         cfg = dataclasses.replace(base, max_model_len=context)
@@ -467,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
                 [("arm", "arm"), ("rate", "sessions/s")] + cols[2:])
     if "crash" in args.suite:
         sessions = long_tailed_sessions(ids, args.crash_requests, seed=args.seed, median=args.crash_median,
-                                        sigma=1.2, max_len=context, max_new_tokens=8)
+                                        sigma=args.crash_sigma, max_len=context,
+                                        max_new_tokens=args.crash_new_tokens)
         lens = np.array([len(s.turns[0]) for s in sessions])
         cfg = dataclasses.replace(base, max_model_len=context)
         results = [run(arm, "long-tailed", sessions, cfg=cfg, clients=args.clients[-1]) for arm in args.arms]
@@ -475,8 +476,9 @@ def main(argv: list[str] | None = None) -> int:
                  ("crashed", "engine crash"), ("rejected", "rejected at submission"), ("queue_p99", "queue p99"),
                  ("e2e_p99", "e2e p99"), ("preemptions", "preemptions"), ("wall_s", "wall s")]
         section("crash", f"Crash rate: {len(sessions)} requests, prompt tokens log-normal (median "
-                         f"{int(np.median(lens))}, p99 {int(np.percentile(lens, 99))}, max {lens.max()}), 8 new "
-                         f"tokens, {args.clients[-1]} clients, served length {context}", results, ccols)
+                         f"{int(np.median(lens))}, mean {int(lens.mean())}, p99 {int(np.percentile(lens, 99))}, max "
+                         f"{lens.max()}), {args.crash_new_tokens} new tokens, {args.clients[-1]} clients, served "
+                         f"length {context}", results, ccols)
     log(f"wrote {args.out / 'table.md'} and {args.out / 'results.json'}")
     print("\n".join(md))
     if args.json:

@@ -58,7 +58,7 @@ class ServingMetrics:
                      "output_tok_s": round(out_tokens / wall, 3) if wall > 0 else 0.0,
                      "prefill_seconds": round(self.prefill_seconds, 3), "decode_seconds": round(self.decode_seconds, 3),
                      "preemptions": dict(self.preemptions)}
-        for name in ("queue_time", "ttft", "tpot", "e2e", "itl_max"):
+        for name in ("queue_time", "ttft", "prefill_time", "tpot", "e2e", "itl_max"):
             values = [v for v in (getattr(r, name) for r in done) if v is not None]
             res[name] = {f"p{q}": _r(percentile(values, q)) for q in (50, 90, 99)}
             res[name]["mean"] = _r(float(np.mean(values))) if values else None
@@ -78,7 +78,18 @@ class ServingMetrics:
                                             for t in self.steps[-1].tier_bytes}
         if self.prefix is not None:
             res["prefix"] = self.prefix
+        res["kv_series"] = self.series()
         return res
+
+    def series(self, points: int = 200) -> list[dict]:
+        """KV bytes over time (at most ``points`` evenly spaced steps): seconds since the start,
+        requests running, device bytes allocated and used, bytes per tier."""
+        if not self.steps:
+            return []
+        stride = max(1, -(-len(self.steps) // points))
+        t0 = self.start if self.start is not None else self.steps[0].time
+        return [{"t": round(s.time - t0, 3), "running": s.running, "allocated": s.kv_allocated, "used": s.kv_used,
+                 **({"tiers": dict(s.tier_bytes)} if s.tier_bytes else {})} for s in self.steps[::stride]]
 
     def format(self) -> str:
         """A plain-text summary."""
@@ -89,7 +100,8 @@ class ServingMetrics:
             f"{s['requests']} requests in {s['wall_seconds']:.1f} s ({s['steps']} steps): "
             f"{s['prompt_tokens']} prompt tokens ({s['cached_prompt_tokens']} from the prefix cache), "
             f"{s['output_tokens']} output tokens, {s['output_tok_s']:.1f} tok/s; finished {s['finish_reasons']}",
-            f"latency ms p50/p90/p99: queue {ms(s['queue_time'])}, TTFT {ms(s['ttft'])}, TPOT {ms(s['tpot'])}, "
+            f"latency ms p50/p90/p99: queue {ms(s['queue_time'])}, TTFT {ms(s['ttft'])} (of which compute "
+            f"{ms(s['prefill_time'])}), TPOT {ms(s['tpot'])}, "
             f"end-to-end {ms(s['e2e'])}",
             f"KV on the device: peak {s['kv']['allocated_peak'] / mib:.1f} MiB, steady mean "
             f"{s['kv']['allocated_mean'] / mib:.1f} MiB (CV {s['kv']['allocated_cv']}), utilization "

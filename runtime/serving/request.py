@@ -68,6 +68,13 @@ class RequestMetrics:
         return None if self.first_token is None else self.first_token - self.arrival
 
     @property
+    def prefill_time(self) -> float | None:
+        """The compute part of TTFT: from first scheduled to the first token (TTFT = queue time +
+        this; it includes the steps shared with other requests)."""
+        return None if self.first_token is None or self.first_scheduled is None else \
+            self.first_token - self.first_scheduled
+
+    @property
     def tpot(self) -> float | None:
         """Mean time per output token after the first."""
         if self.first_token is None or len(self.token_times) < 2:
@@ -86,7 +93,8 @@ class RequestMetrics:
 
     def to_dict(self) -> dict:
         r = lambda x: None if x is None else round(x, 6)  # noqa: E731
-        return {"queue_time": r(self.queue_time), "ttft": r(self.ttft), "tpot": r(self.tpot), "e2e": r(self.e2e),
+        return {"queue_time": r(self.queue_time), "ttft": r(self.ttft), "prefill_time": r(self.prefill_time),
+                "tpot": r(self.tpot), "e2e": r(self.e2e),
                 "itl_max": r(self.itl_max), "prompt_tokens": self.prompt_tokens,
                 "output_tokens": self.output_tokens, "cached_tokens": self.cached_tokens,
                 "prefix_hit_pages": dict(self.prefix_hit_pages), "preemptions": dict(self.preemptions)}

@@ -154,3 +154,22 @@ def test_offline_policy_is_refused(tiny_gguf, capsys):
                  "belady", "--page-size", "8"]) == 2
     err = capsys.readouterr().err
     assert "offline oracle" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_serve_bench(tiny_gguf, tmp_path, capsys):
+    """The serving benchmark end to end on the tiny model (the essays as text): every arm runs
+    the chat workload, the tables are written and --json carries the rows."""
+    argv = ["serve-bench", "--model", tiny_gguf, "--suite", "concurrency", "--clients", "2", "--sessions", "2",
+            "--turns", "2", "--system-tokens", "32", "--max-new-tokens", "3", "--budget-tokens", "512",
+            "--max-model-len", "256", "--out", str(tmp_path), "--json"]
+    assert main(argv) == 0
+    rows = last_json(capsys)["concurrency"]
+    assert [r["arm"] for r in rows] == ["contiguous", "paged-recompute", "paged-reserve", "tiered-exact",
+                                        "tiered-masked"]
+    assert all(r["requests"] == 4 and r["errors"] == 0 and r["crashed"] is None for r in rows)
+    assert rows[3]["quality"]["identical"] == 1.0
+    assert "| tiered-exact |" in (tmp_path / "table.md").read_text()
+    with pytest.raises(SystemExit) as exc:
+        main(["serve-bench", "--suite", "nope"])
+    assert exc.value.code == 2

@@ -24,7 +24,8 @@ def test_workloads():
     c = chat()
     assert len(c) == 4 and all(s.prefix == c[0].prefix and len(s.turns) == 2 and s.conversation for s in c)
     d = make_sessions("docs", IDS, sessions=5, doc_tokens=(100, 120), questions=2, max_new_tokens=4)
-    assert len(d) == 5 and d[0].prefix == d[1].prefix != d[2].prefix and not d[0].conversation
+    assert len(d) == 5 and d[0].prefix == d[3].prefix != d[1].prefix and not d[0].conversation
+    assert [x.key for x in d] == ["d0q0", "d1q0", "d2q0", "d0q1", "d1q1"]
     u = make_sessions("unique", IDS, sessions=3, system_tokens=40, user_tokens=(5, 12))
     assert all(s.prefix == [] for s in u) and len({tuple(s.turns[0]) for s in u}) == 3
     r = long_tailed_sessions(IDS, 200, seed=1, median=30, sigma=1.2, max_len=256, max_new_tokens=8)

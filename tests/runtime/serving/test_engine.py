@@ -242,6 +242,9 @@ def test_metrics_summary_and_text():
     kv = s["kv"]
     assert 0 < kv["allocated_mean"] <= kv["allocated_peak"] and 0 < kv["utilization"] <= 1
     assert kv["running_max"] == 2 and set(kv["tier_bytes_peak"]) >= {"T0", "T3"}
+    assert s["prefill_time"]["p50"] <= s["ttft"]["p50"]
+    series = s["kv_series"]
+    assert 0 < len(series) <= 200 and series[0]["t"] <= series[-1]["t"] and "T0" in series[0]["tiers"]
     text = engine.metrics.format()
     assert "5 requests" in text and "TTFT" in text and "utilization" in text
     per = engine.metrics.requests[0].to_dict()
