@@ -397,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
             engine.cache.close() if hasattr(engine.cache, "close") else None
 
     def add_quality(results: list[RunResult]) -> None:
-        ref = next((r for r in results if r.arm in ("paged-recompute", "contiguous", "paged-reserve")), None)
+        ref = next((r for name in ("contiguous", "paged-recompute", "paged-reserve") for r in results
+                    if r.arm == name), None)
         for r in results:
             if ref is not None and r is not ref:
                 r.quality = agreement(r.outputs, ref.outputs)
