@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+from collections import deque
+from concurrent.futures import Future
 import time
 from typing import AsyncIterator, Callable, Sequence
 
@@ -171,9 +173,9 @@ class Engine:
     @torch.no_grad()
     def _run(self, step: ScheduledStep) -> list[TokenEvent]:
         events: list[TokenEvent] = []
-        # the scheduler sizes chunks to the KV budget; alone, a sequence also keeps the cache's own
-        # per-step limit (what a plain prefill() would do)
-        limit = self.cache.max_step_tokens() if len(self.scheduler.running) <= 1 else None
+        # the scheduler sizes chunks to the KV budget; each forward call also keeps the cache's own
+        # per-step limit (new pages must fit next to every sequence's hot window)
+        limit = self.cache.max_step_tokens()
         t_start = self.clock()
         for req, n in step.prefills:
             try:
@@ -257,12 +259,16 @@ _DONE = object()
 
 class AsyncEngine:
     """An Engine stepped on a background thread; asyncio front doors submit, stream and
-    cancel. ``start()`` before use, ``shutdown()`` at the end (or ``async with``)."""
+    cancel. ``start()`` before use, ``shutdown()`` at the end (or ``async with``).
+
+    Only the engine thread touches the engine: submissions and aborts are commands it runs
+    between two steps, in the order they came, before the next step (a busy engine never
+    starves them)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        self._wake = threading.Condition()
+        self._commands: deque[tuple[Callable[[], object], Future]] = deque()
         self._thread: threading.Thread | None = None
         self._stop = False
         self.error: BaseException | None = None
@@ -280,51 +286,71 @@ class AsyncEngine:
             self._thread.start()
 
     async def shutdown(self) -> None:
-        with self._lock:
+        with self._wake:
             self._stop = True
             self._wake.notify_all()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
 
-    def _loop(self) -> None:
+    def _run_commands(self) -> None:
         while True:
-            with self._lock:
-                while not self._stop and not self.engine.has_unfinished():
-                    self._wake.wait()
-                if self._stop:
-                    for req in list(self.engine.requests.values()):
-                        if not req.finished:
-                            self.engine.abort(req.request_id)
+            with self._wake:
+                if not self._commands:
                     return
-                try:
-                    self.engine.step()
-                except BaseException as exc:  # noqa: BLE001 - the engine is broken: end every stream
-                    self.error = exc
-                    for req in list(self.engine.requests.values()):
-                        if not req.finished:
-                            self.engine._finish(req, "error", f"engine failure: {type(exc).__name__}: {exc}")
-                    self._stop = True
-                    return
+                fn, fut = self._commands.popleft()
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                fut.set_exception(exc)
 
-    def _submit(self, prompt, params, request_id, salt, queue: asyncio.Queue,
-                loop: asyncio.AbstractEventLoop) -> Request:
-        put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
-        with self._lock:
-            if self._stop:
-                raise ConfigError("the engine is shut down")
-            req = self.engine.add_request(prompt, params, request_id=request_id, salt=salt, on_token=put,
-                                          on_finish=lambda r: put(_DONE))
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            with self._wake:
+                while not self._stop and not self._commands and not engine.has_unfinished():
+                    self._wake.wait()
+                stop = self._stop
+            self._run_commands()
+            if stop:
+                for req in list(engine.requests.values()):
+                    if not req.finished:
+                        engine.abort(req.request_id)
+                return
+            if not engine.has_unfinished():
+                continue
+            try:
+                engine.step()
+            except BaseException as exc:  # noqa: BLE001 - the engine is broken: end every stream
+                self.error = exc
+                for req in list(engine.requests.values()):
+                    if not req.finished:
+                        engine._finish(req, "error", f"engine failure: {type(exc).__name__}: {exc}")
+                with self._wake:
+                    self._stop = True
+                self._run_commands()
+                return
+
+    async def _call(self, fn: Callable[[], object]):
+        """Run ``fn`` on the engine thread before its next step; its result (or exception)."""
+        fut: Future = Future()
+        with self._wake:
+            if self._stop or self._thread is None:
+                raise ConfigError("the engine is shut down (or not started)")
+            self._commands.append((fn, fut))
             self._wake.notify_all()
-        return req
+        return await asyncio.wrap_future(fut)
 
     async def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
                           request_id: str | None = None, salt: str | None = None) -> tuple[Request, asyncio.Queue]:
         """Queue a request; returns it and the queue its events arrive on (ending with a
         finished request's sentinel). Typed errors as Engine.add_request."""
         queue: asyncio.Queue = asyncio.Queue()
-        req = await asyncio.to_thread(self._submit, list(prompt), params, request_id, salt, queue,
-                                      asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
+        prompt = list(prompt)
+        req = await self._call(lambda: self.engine.add_request(prompt, params, request_id=request_id, salt=salt,
+                                                               on_token=put, on_finish=lambda r: put(_DONE)))
         return req, queue
 
     async def generate(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
@@ -349,8 +375,5 @@ class AsyncEngine:
         return req.out
 
     async def abort(self, request_id: str) -> bool:
-        def _abort() -> bool:
-            with self._lock:
-                return self.engine.abort(request_id)
-
-        return await asyncio.to_thread(_abort)
+        """Cancel a request (before the engine's next step); False when unknown or done."""
+        return await self._call(lambda: self.engine.abort(request_id))
