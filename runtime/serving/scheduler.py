@@ -40,6 +40,7 @@ from typing import Callable
 from tieredkv.errors import ConfigError, ContextLengthError, KVCacheFullError, short
 from tieredkv.runtime.paged import PagedKVCache
 from tieredkv.runtime.serving.request import Request, RequestStatus
+from tieredkv.runtime.tiered.page_table import hot_page_count
 
 ADMISSION = ("contiguous", "reserve", "optimistic")
 PREEMPTION = ("auto", "demote", "recompute")
@@ -134,14 +135,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ what a request needs
     def _hot(self, tokens: int) -> int:
-        """T0 pages of a tiered sequence of ``tokens`` tokens (PageTable.update_t0's rule)."""
-        P = self.page_size
-        n = _pages(tokens, P)
-        if n == 0:
-            return 0
-        sink = min(_pages(self._sink, P), n)
-        first_recent = min(max(0, tokens - self._recent) // P, n - 1)
-        return sink + (n - max(first_recent, sink))
+        """T0 pages of a tiered sequence of ``tokens`` tokens (the page table's rule)."""
+        return hot_page_count(tokens, self.page_size, self._sink, self._recent)
 
     def _final(self, req: Request) -> int:
         """The tokens a request can reach."""
@@ -250,7 +245,7 @@ class Scheduler:
             return self._hot(len(req.tokens) + 1) + 1
         return _pages(min(len(req.tokens), self.config.prefill_chunk), self.page_size)
 
-    def _admit(self, step: ScheduledStep) -> None:
+    def _admit(self) -> None:
         while self.paused and len(self.running) < self.config.max_num_seqs:
             req = self.paused[0]
             if not self._fits({}, req, 0):
@@ -274,7 +269,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
-        self._admit(step)
+        self._admit()
         while True:
             plan = self._plan(step)
             if plan or not self.running:
@@ -339,7 +334,3 @@ class Scheduler:
             self.waiting.appendleft(victim)
         victim.metrics.preemptions[kind] = victim.metrics.preemptions.get(kind, 0) + 1
         step.preempted.append((victim, kind))
-
-    def finish(self, req: Request) -> None:
-        if req in self.running:
-            self.running.remove(req)

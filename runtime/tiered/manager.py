@@ -172,9 +172,23 @@ class TierManager:
                 self.metrics.released_warm_pages += len(layers)
         self.table.release(freed)
 
+    def _drop_warm(self, layers: torch.Tensor, recs: torch.Tensor) -> int:
+        """Release the warm copies among pages (``layers``, ``recs``); returns how many there were."""
+        if self.warm is None:
+            return 0
+        t = self.table
+        warm = t.warm_slot[layers, recs] >= 0
+        layers, recs = layers[warm], recs[warm]
+        if len(recs):
+            self.warm.release(layers, t.warm_slot[layers, recs])
+            t.warm_slot[layers, recs] = -1
+        return len(recs)
+
     def _drop_copies(self, recs: torch.Tensor) -> None:
         """Pages about to change give up their copies in the warm, host and disk tiers."""
-        for pool, slots in self._pools()[1:]:
+        layers = torch.arange(self.L).repeat_interleave(len(recs))
+        self.metrics.warm_drops += self._drop_warm(layers, recs.repeat(self.L))
+        for pool, slots in self._pools()[2:]:  # host, disk
             if pool is None:
                 continue
             sub = slots[:, recs]
@@ -182,8 +196,6 @@ class TierManager:
             if len(layers):
                 pool.release(layers, sub[layers, cols])
                 slots[layers, recs[cols]] = -1
-                if pool is self.warm:
-                    self.metrics.warm_drops += len(layers)
 
     # ------------------------------------------------------------------ prefix index and preemption
     def hold(self, recs: torch.Tensor) -> None:
@@ -206,11 +218,8 @@ class TierManager:
         recs = recs[~t.t0[recs]]
         layers, cols = (t.device_slot[:, recs] >= 0).nonzero(as_tuple=True)
         self.evict(layers, recs[cols])
-        if self.warm is not None:
-            layers, cols = (t.warm_slot[:, recs] >= 0).nonzero(as_tuple=True)
-            self.warm.release(layers, t.warm_slot[layers, recs[cols]])
-            t.warm_slot[layers, recs[cols]] = -1
-            self.metrics.warm_drops += len(cols)
+        layers = torch.arange(self.L).repeat_interleave(len(recs))
+        self.metrics.warm_drops += self._drop_warm(layers, recs.repeat(self.L))
         self.metrics.paused_sequences += 1
 
     def resume(self, seq: int) -> None:
@@ -242,10 +251,6 @@ class TierManager:
                                    f"sequence {seq}'s hot window: every resident page is pinned")
         layers, cols = want.nonzero(as_tuple=True)
         self.admit(layers, cols)
-
-    def pinned_pages(self) -> int:
-        """Records pinned on the device (T0 of the running sequences), per layer."""
-        return int(self.table.t0.sum())
 
     def truncate(self, seq: int, length: int) -> None:
         t = self.table
@@ -582,12 +587,7 @@ class TierManager:
         if len(recs) == 0:
             return
         t = self.table
-        if self.warm is not None:  # a warm (compressed) copy gives way to the exact page
-            warm = t.warm_slot[layers, recs] >= 0
-            if warm.any():
-                self.warm.release(layers[warm], t.warm_slot[layers[warm], recs[warm]])
-                t.warm_slot[layers[warm], recs[warm]] = -1
-                self.metrics.warm_promotions += int(warm.sum())
+        self.metrics.warm_promotions += self._drop_warm(layers, recs)  # a warm copy gives way to the exact page
         slots = self.device.alloc(layers, recs)
         assert slots is not None, "admit() called without room"
         fresh = torch.ones(len(recs), dtype=torch.bool) if already_streamed is None else ~already_streamed
@@ -700,10 +700,7 @@ class TierManager:
             return
         room = self._make_room(hot.sum(1), protect=hot)
         layers, recs = self._highest(hot & (t.warm_slot >= 0), t.importance, room)
-        self.warm.release(layers, t.warm_slot[layers, recs])
-        t.warm_slot[layers, recs] = -1
-        self.admit(layers, recs)
-        self.metrics.warm_promotions += len(recs)
+        self.admit(layers, recs)  # counts the promotions as it releases the warm copies
 
     def _update_hot_keys(self) -> None:
         """At a window boundary. T1: up to ``hot_key_pages`` resident non-T0 pages per layer, the most frequently

@@ -41,13 +41,28 @@ def column(dtype: torch.dtype, fill: Any, *, per_layer: bool = True, new: Any = 
                                          "per_layer": per_layer, "summary": summary})
 
 
+def _hot_bounds(seq_len: int, page_size: int, sink_tokens: int, recent_tokens: int) -> tuple[int, int, int]:
+    """(pages, sink pages, first page of the recent window) of a sequence at length ``seq_len``."""
+    n = -(-seq_len // page_size)
+    first_recent = max(0, seq_len - recent_tokens) // page_size
+    return n, -(-sink_tokens // page_size), min(first_recent, n - 1)
+
+
 def hot_pages(seq_len: int, page_size: int, sink_tokens: int, recent_tokens: int) -> torch.Tensor:
     """[ceil(seq_len / P)] bool: a sequence's T0 pages at length ``seq_len`` — its sink pages,
     the pages of its recent window and the page being written."""
-    n = -(-seq_len // page_size)
-    first_recent = max(0, seq_len - recent_tokens) // page_size
+    n, sink, first_recent = _hot_bounds(seq_len, page_size, sink_tokens, recent_tokens)
     idx = torch.arange(n)
-    return (idx < -(-sink_tokens // page_size)) | (idx >= min(first_recent, n - 1))
+    return (idx < sink) | (idx >= first_recent)
+
+
+def hot_page_count(seq_len: int, page_size: int, sink_tokens: int, recent_tokens: int) -> int:
+    """How many pages :func:`hot_pages` marks (without building the mask)."""
+    n, sink, first_recent = _hot_bounds(seq_len, page_size, sink_tokens, recent_tokens)
+    if n == 0:
+        return 0
+    sink = min(sink, n)
+    return sink + n - max(first_recent, sink)
 
 
 @dataclass(eq=False)

@@ -128,3 +128,11 @@ def test_random_sharing_keeps_the_counts(ops):
             del t.seq_pages[seq], t.seq_len[seq]
         next_id += 1
         t.check()
+
+
+def test_hot_page_count_counts_the_hot_pages():
+    from tieredkv.runtime.tiered.page_table import hot_page_count, hot_pages
+
+    for P, sink, recent in ((1, 0, 0), (8, 4, 16), (16, 4, 64), (16, 40, 8)):
+        for n in range(0, 200):
+            assert hot_page_count(n, P, sink, recent) == int(hot_pages(n, P, sink, recent).sum()), (n, P, sink, recent)
