@@ -92,22 +92,13 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
 def _kv_config(args: argparse.Namespace, loaded=None):
     """The TieredKVConfig the flags ask for, or None for the plain paged cache. An engine
     (``loaded`` from --engine) always runs under the tiered cache, at its page size."""
-    from tieredkv.runtime.tiered.config import TieredKVConfig
+    from tieredkv.runtime.serving.deploy import KV_FLAGS, resolve_kv_config
 
-    flags = {"device_budget": args.kv_budget, "attention_budget": args.attention_budget, "policy": args.policy,
-             "mode": args.mode, "warm_codec": args.warm_codec, "warm_fraction": args.warm_fraction,
-             "kv_dtype": args.kv_dtype, "selection_aggregate": args.selection_aggregate}
     engine = getattr(loaded.model, "engine", None) if loaded is not None else None
-    if engine is None and args.kv_config is None and not args.stats and all(v is None for v in flags.values()):
-        return None
-    settings = TieredKVConfig.read_settings(args.kv_config) if args.kv_config else {}
-    base = TieredKVConfig.from_mapping(settings, source=args.kv_config) if args.kv_config else TieredKVConfig()
-    overrides = {k: v for k, v in flags.items() if v is not None}
-    if args.page_size is not None:
-        overrides["page_size"] = args.page_size
-    elif engine is not None and "page_size" not in settings:  # an engine runs at the page size it was built for
-        overrides["page_size"] = engine.page_size
-    return base.replace(**overrides)
+    return resolve_kv_config(settings_file=args.kv_config,
+                             settings={setting: getattr(args, flag) for flag, setting in KV_FLAGS.items()},
+                             page_size=args.page_size, engine_page_size=getattr(engine, "page_size", None),
+                             force=engine is not None or args.stats)
 
 
 def _need_tokenizer(loaded) -> None:
@@ -297,6 +288,26 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
     return bench_main(args.bench_args)
 
 
+# ------------------------------------------------------------------------------ front doors
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tieredkv.runtime.serving.deploy import EngineArgs
+    from tieredkv.runtime.serving.openai_server import serve
+
+    return serve(EngineArgs.from_namespace(args), host=args.host, port=args.port, api_key=args.api_key,
+                 log_level=args.log_level, log=_log)
+
+
+def cmd_triton_repo(args: argparse.Namespace) -> int:
+    from tieredkv.runtime.serving.deploy import EngineArgs
+    from tieredkv.runtime.serving.triton.repo import write_repository
+
+    path = write_repository(args.output, EngineArgs.from_namespace(args), model_name=args.model_name,
+                            on_cancel=args.on_cancel, force=args.force)
+    _log(f"wrote the Triton model repository {path}; serve it with: tritonserver --model-repository {path}")
+    print(path)
+    return 0
+
+
 # ------------------------------------------------------------------------------ parser
 def _positive_int(text: str) -> int:
     value = int(text)
@@ -306,6 +317,8 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tieredkv.runtime.serving.deploy import add_engine_arguments
+
     parser = argparse.ArgumentParser(prog="tieredkv", description="Importance-aware, multi-tier KV cache for Llama.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -367,6 +380,30 @@ def build_parser() -> argparse.ArgumentParser:
     ek.add_argument("--json", action="store_true")
     _add_kv_args(ek)
     ek.set_defaults(func=cmd_eval_passkey)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                      "/v1/models, /health, /metrics)")
+    _add_model_args(sv)
+    _add_kv_args(sv)
+    add_engine_arguments(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    sv.add_argument("--api-key", default=None, help="require this bearer token on /v1 requests")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sv.set_defaults(func=cmd_serve)
+
+    tr = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository (Python backend, "
+                                            "decoupled) serving this model")
+    tr.add_argument("--output", required=True, help="the model repository directory to write")
+    tr.add_argument("--model-name", default="tieredkv", help="the Triton model name (default tieredkv)")
+    tr.add_argument("--on-cancel", default="free", choices=["free", "keep"],
+                    help="a cancelled request's pages: free them (default) or keep its full pages in the prefix "
+                         "index (on the host tier and below)")
+    tr.add_argument("--force", action="store_true", help="replace an existing model of that name in the repository")
+    _add_model_args(tr)
+    _add_kv_args(tr)
+    add_engine_arguments(tr)
+    tr.set_defaults(func=cmd_triton_repo)
 
     sb = sub.add_parser("serve-bench", add_help=False,
                         help="the serving benchmark: five arms at one KV budget (see `tieredkv serve-bench --help`)")

@@ -43,7 +43,7 @@ class Engine:
 
     def __init__(self, model, cache: KVCache, *, tokenizer: Tokenizer | None = None,
                  scheduler: SchedulerConfig | None = None, prefix: PrefixConfig | None = None,
-                 model_id: str | None = None, on_error: str = "fail",
+                 model_id: str | None = None, on_error: str = "fail", remote=None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         if on_error not in ON_ERROR:
             raise ConfigError(f"on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
@@ -89,11 +89,15 @@ class Engine:
             self.metrics.start = req.metrics.arrival
         return req
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel a request wherever it is (between steps); False when it is unknown or done."""
+    def abort(self, request_id: str, *, keep_prefix: bool = True) -> bool:
+        """Cancel a request wherever it is (between steps); False when it is unknown or done.
+        ``keep_prefix``: its full pages go to the prefix index like a finished request's
+        (reuse on); False frees every page it computed beyond those already indexed."""
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return False
+        if not keep_prefix:
+            req.no_publish = True
         self._finish(req, "cancelled")
         return True
 
@@ -123,7 +127,8 @@ class Engine:
         """Free a request's sequence (its full pages stay in the prefix index)."""
         if req.seq_id is None:
             return
-        self._publish(req)
+        if not req.no_publish:
+            self._publish(req)
         self.cache.free_sequence(req.seq_id)
         req.seq_id, req.computed = None, 0
 
@@ -331,15 +336,38 @@ class AsyncEngine:
                 self._run_commands()
                 return
 
-    async def _call(self, fn: Callable[[], object]):
-        """Run ``fn`` on the engine thread before its next step; its result (or exception)."""
+    def _submit(self, fn: Callable[[], object]) -> Future:
+        """Queue ``fn`` for the engine thread (before its next step); a Future of its result."""
         fut: Future = Future()
         with self._wake:
             if self._stop or self._thread is None:
                 raise ConfigError("the engine is shut down (or not started)")
             self._commands.append((fn, fut))
             self._wake.notify_all()
-        return await asyncio.wrap_future(fut)
+        return fut
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams | None = None, *, request_id: str | None = None,
+               salt: str | None = None, on_token: OnToken | None = None,
+               on_finish: Callable[[Request], None] | None = None) -> Future:
+        """``Engine.add_request`` from any thread without an event loop; the callbacks run on the
+        engine thread (keep them short). A Future of the request (or of its typed error)."""
+        prompt = list(prompt)
+        return self._submit(lambda: self.engine.add_request(prompt, params, request_id=request_id, salt=salt,
+                                                            on_token=on_token, on_finish=on_finish))
+
+    def stop_nowait(self) -> None:
+        """Ask the engine thread to cancel everything and end (``shutdown`` without waiting)."""
+        with self._wake:
+            self._stop = True
+            self._wake.notify_all()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    async def _call(self, fn: Callable[[], object]):
+        """Run ``fn`` on the engine thread before its next step; its result (or exception)."""
+        return await asyncio.wrap_future(self._submit(fn))
 
     async def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
                           request_id: str | None = None, salt: str | None = None) -> tuple[Request, asyncio.Queue]:
@@ -374,6 +402,11 @@ class AsyncEngine:
             pass
         return req.out
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, *, keep_prefix: bool = True) -> bool:
         """Cancel a request (before the engine's next step); False when unknown or done."""
-        return await self._call(lambda: self.engine.abort(request_id))
+        return await self._call(lambda: self.engine.abort(request_id, keep_prefix=keep_prefix))
+
+    def abort_nowait(self, request_id: str, *, keep_prefix: bool = True) -> Future:
+        """``abort`` from any thread without an event loop (Triton's ``execute``, a callback):
+        the Future completes once the engine thread ran it."""
+        return self._submit(lambda: self.engine.abort(request_id, keep_prefix=keep_prefix))

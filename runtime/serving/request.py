@@ -129,6 +129,7 @@ class Request:
         self.chain = None  # the prefix keys of its pages (PrefixIndex.chain), when reuse is on
         self.admitted_at = -1  # the admission counter (victim order: the newest is preempted first)
         self.on_finish: Callable[[Request], None] | None = None
+        self.no_publish = False  # cancelled with keep_prefix=False: its pages are not indexed at close
 
     @property
     def prompt(self) -> list[int]:
