@@ -29,6 +29,7 @@ KV_FLAGS = {"kv_budget": "device_budget", "attention_budget": "attention_budget"
             "selection_aggregate": "selection_aggregate"}
 PREFIX_CHOICES = ("off", "device", "host", "disk")
 ENGINE_ARGS_FILE = "engine_args.json"
+METRICS_WINDOW = 10_000  # a server's latency percentiles cover its last this many requests and steps
 
 
 def resolve_kv_config(*, settings_file: str | None = None, settings: dict | None = None,
@@ -226,7 +227,8 @@ class EngineArgs:
                 if prefix is None:
                     raise ConfigError("the remote KV tier shares prefix pages; it needs prefix reuse (prefix != off)")
         return Engine(model, cache, tokenizer=tokenizer, scheduler=sched, prefix=prefix, remote=remote,
-                      model_id=model_id or model.config.name, on_error="fail")
+                      model_id=model_id or model.config.name, on_error="fail", keep_finished=False,
+                      metrics_window=METRICS_WINDOW)
 
 
 @dataclass

@@ -43,8 +43,8 @@ class Engine:
 
     def __init__(self, model, cache: KVCache, *, tokenizer: Tokenizer | None = None,
                  scheduler: SchedulerConfig | None = None, prefix: PrefixConfig | None = None,
-                 model_id: str | None = None, on_error: str = "fail", remote=None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 model_id: str | None = None, on_error: str = "fail", remote=None, keep_finished: bool = True,
+                 metrics_window: int | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         if on_error not in ON_ERROR:
             raise ConfigError(f"on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
@@ -63,7 +63,8 @@ class Engine:
                                    open_sequence=self._open, close_sequence=self._close)
         self.page_size = self.scheduler.page_size
         self.requests: dict[str, Request] = {}
-        self.metrics = ServingMetrics()
+        self.metrics = ServingMetrics(window=metrics_window)
+        self.keep_finished = keep_finished
         self._ids = itertools.count()
         self._kv_token_bytes = cache.spec.token_bytes_per_layer * cache.spec.num_layers
 
@@ -142,11 +143,9 @@ class Engine:
         m = req.metrics
         m.finished = self.clock()
         m.output_tokens = len(req.out.token_ids)
-        self.metrics.requests.append(m)
-        r = req.out.finish_reason or "unknown"
-        self.metrics.finish_reasons[r] = self.metrics.finish_reasons.get(r, 0) + 1
-        for kind, n in m.preemptions.items():
-            self.metrics.preemptions[kind] = self.metrics.preemptions.get(kind, 0) + n
+        self.metrics.finished(m, req.out.finish_reason or "unknown")
+        if not self.keep_finished:
+            del self.requests[req.request_id]
         if req.on_finish is not None:
             req.on_finish(req)
 
@@ -236,20 +235,18 @@ class Engine:
             pages = s._device_need({}) if s.capacity is not None else sum(
                 -(-r.computed // self.page_size) for r in s.running)
             allocated = pages * self.page_size * self._kv_token_bytes
-        self.metrics.steps.append(StepSample(now, len(s.running), len(s.waiting), len(s.paused), tokens,
-                                             allocated, used, tiers))
-        self.metrics.end = now
+        self.metrics.step(StepSample(now, len(s.running), len(s.waiting), len(s.paused), tokens, allocated, used,
+                                     tiers))
 
     def run(self, *, progress=None) -> None:
         """Step until every request is finished; ``progress``: a tqdm-like bar advanced per
         finished request."""
-        done = sum(r.finished for r in self.requests.values())
+        done = self.metrics.requests_total
         while self.has_unfinished():
             self.step()
             if progress is not None:
-                now = sum(r.finished for r in self.requests.values())
-                progress.update(now - done)
-                done = now
+                progress.update(self.metrics.requests_total - done)
+                done = self.metrics.requests_total
         if self.prefix is not None:
             self.metrics.prefix = self.prefix.stats.to_dict()
 

@@ -3,6 +3,7 @@ the KV bytes held — allocated and used, and per tier — aggregated into one s
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,11 +27,19 @@ class StepSample:
 
 @dataclass
 class ServingMetrics:
-    """Everything the engine measured (see the module docstring)."""
+    """Everything the engine measured (see the module docstring). ``window``: keep only the
+    last ``window`` finished requests and steps for the percentiles and series (a server's
+    setting, so memory stays bounded); the totals count everything."""
 
-    requests: list[RequestMetrics] = field(default_factory=list)  # finished requests
+    window: int | None = None
+    requests: deque[RequestMetrics] = field(default_factory=deque)  # finished requests (the last `window`)
     finish_reasons: dict[str, int] = field(default_factory=dict)
-    steps: list[StepSample] = field(default_factory=list)
+    steps: deque[StepSample] = field(default_factory=deque)
+    requests_total: int = 0
+    prompt_tokens_total: int = 0
+    output_tokens_total: int = 0
+    cached_tokens_total: int = 0
+    steps_total: int = 0
     preemptions: dict[str, int] = field(default_factory=dict)
     prefix: dict | None = None  # PrefixStats.to_dict()
     start: float | None = None
@@ -41,20 +50,41 @@ class ServingMetrics:
     decode_tokens: int = 0  # tokens they fed (sum of batch sizes)
     kv_bytes_peak: int = 0  # the cache's kv_bytes() after a prefill or decode, at most
 
+    def __post_init__(self) -> None:
+        self.requests = deque(self.requests, maxlen=self.window)
+        self.steps = deque(self.steps, maxlen=self.window)
+
+    def finished(self, m: RequestMetrics, reason: str) -> None:
+        """Count a finished request."""
+        self.requests.append(m)
+        self.requests_total += 1
+        self.prompt_tokens_total += m.prompt_tokens
+        self.output_tokens_total += m.output_tokens
+        self.cached_tokens_total += m.cached_tokens
+        self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
+        for kind, n in m.preemptions.items():
+            self.preemptions[kind] = self.preemptions.get(kind, 0) + n
+
+    def step(self, sample: StepSample) -> None:
+        self.steps.append(sample)
+        self.steps_total += 1
+        self.end = sample.time
+
     def steady(self) -> list[StepSample]:
         """The steady state: the steps between the first and last 10 % of the run."""
-        n = len(self.steps)
-        return self.steps[n // 10: n - n // 10] or self.steps
+        steps = list(self.steps)
+        n = len(steps)
+        return steps[n // 10: n - n // 10] or steps
 
     def summary(self) -> dict:
         """Counts, throughput, latency percentiles (seconds), KV memory and prefix reuse."""
         done = self.requests
         wall = (self.end or 0.0) - (self.start or 0.0)
-        out_tokens = sum(r.output_tokens for r in done)
-        res: dict = {"requests": len(done), "finish_reasons": dict(self.finish_reasons),
-                     "wall_seconds": round(wall, 3), "steps": len(self.steps),
-                     "prompt_tokens": sum(r.prompt_tokens for r in done), "output_tokens": out_tokens,
-                     "cached_prompt_tokens": sum(r.cached_tokens for r in done),
+        out_tokens = self.output_tokens_total
+        res: dict = {"requests": self.requests_total, "finish_reasons": dict(self.finish_reasons),
+                     "wall_seconds": round(wall, 3), "steps": self.steps_total,
+                     "prompt_tokens": self.prompt_tokens_total, "output_tokens": out_tokens,
+                     "cached_prompt_tokens": self.cached_tokens_total,
                      "output_tok_s": round(out_tokens / wall, 3) if wall > 0 else 0.0,
                      "prefill_seconds": round(self.prefill_seconds, 3), "decode_seconds": round(self.decode_seconds, 3),
                      "preemptions": dict(self.preemptions)}
@@ -86,10 +116,11 @@ class ServingMetrics:
         requests running, device bytes allocated and used, bytes per tier."""
         if not self.steps:
             return []
-        stride = max(1, -(-len(self.steps) // points))
-        t0 = self.start if self.start is not None else self.steps[0].time
+        steps = list(self.steps)
+        stride = max(1, -(-len(steps) // points))
+        t0 = self.start if self.start is not None else steps[0].time
         return [{"t": round(s.time - t0, 3), "running": s.running, "allocated": s.kv_allocated, "used": s.kv_used,
-                 **({"tiers": dict(s.tier_bytes)} if s.tier_bytes else {})} for s in self.steps[::stride]]
+                 **({"tiers": dict(s.tier_bytes)} if s.tier_bytes else {})} for s in steps[::stride]]
 
     def format(self) -> str:
         """A plain-text summary."""
