@@ -59,6 +59,14 @@ class Engine:
                 raise ConfigError("prefix reuse needs the tiered KV cache (its page table shares pages between "
                                   "sequences); the paged cache has no shared pages")
             self.prefix = PrefixIndex(cache, prefix, model_id=model_id or mc.name)
+        self.remote = None
+        if remote is not None:
+            from tieredkv.runtime.serving.remote import RemoteTier
+
+            if self.prefix is None:
+                raise ConfigError("the remote KV tier shares prefix pages; it needs prefix reuse (give prefix=)")
+            self.remote = RemoteTier(remote, cache, model)
+            self.prefix.on_publish = self.remote.publish
         self.scheduler = Scheduler(cache, self.config, context=self.context, prefix=self.prefix,
                                    open_sequence=self._open, close_sequence=self._close)
         self.page_size = self.scheduler.page_size
@@ -117,8 +125,32 @@ class Engine:
                     req.metrics.prefix_hit_pages[tier] = req.metrics.prefix_hit_pages.get(tier, 0) + 1
         req.seq_id = self.cache.add_sequence(shared=hits) if hits else self.cache.add_sequence()
         req.computed = len(hits) * self.page_size
+        if self.remote is not None:
+            self._load_remote(req, len(hits))
         if req.metrics.first_scheduled is None:
             req.metrics.first_scheduled = self.clock()
+
+    def _load_remote(self, req: Request, local: int) -> None:
+        """The pages after the local prefix hits that the remote tier holds, written into the
+        request's sequence (then indexed locally); a failure leaves them to be computed."""
+        usable = (len(req.tokens) - 1) // self.page_size
+        keys = req.chain.extend(req.tokens)[local:usable]
+        pages = self.remote.fetch(keys)
+        if not pages:
+            return
+        try:
+            written = self.remote.load_into(req.seq_id, pages)
+        except (TieredKVError, RuntimeError, ValueError):  # start over from the local hits: compute the rest
+            self.remote.stats.errors += 1
+            shared = self.cache.records_of(req.seq_id)[:local]
+            self.cache.free_sequence(req.seq_id)
+            req.seq_id = self.cache.add_sequence(shared=shared) if shared else self.cache.add_sequence()
+            return
+        req.computed += written
+        if req.metrics.first_scheduled is None:
+            req.metrics.cached_tokens += written
+            req.metrics.prefix_hit_pages["remote"] = req.metrics.prefix_hit_pages.get("remote", 0) + len(pages)
+        self._publish(req)
 
     def _publish(self, req: Request) -> None:
         if self.prefix is not None and req.seq_id is not None:
@@ -250,10 +282,20 @@ class Engine:
         if self.prefix is not None:
             self.metrics.prefix = self.prefix.stats.to_dict()
 
+    def close(self) -> None:
+        """Release what outlives the requests: the remote tier's writer (after writing what is
+        queued) and the cache's files. Statistics stay readable."""
+        if self.remote is not None:
+            self.remote.close()
+        self.cache.close()
+
     def summary(self) -> dict:
         if self.prefix is not None:
             self.metrics.prefix = self.prefix.stats.to_dict()
-        return self.metrics.summary()
+        out = self.metrics.summary()
+        if self.remote is not None:
+            out["remote"] = self.remote.stats.to_dict()
+        return out
 
 
 _DONE = object()
@@ -318,6 +360,7 @@ class AsyncEngine:
                 for req in list(engine.requests.values()):
                     if not req.finished:
                         engine.abort(req.request_id)
+                engine.close()
                 return
             if not engine.has_unfinished():
                 continue

@@ -123,6 +123,7 @@ class PrefixIndex:
         self._key: dict[int, bytes] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # every indexed record, least recently used first
         self.stats = PrefixStats()
+        self.on_publish = None  # called with (keys, records) of newly indexed pages (the remote tier)
 
     def chain(self, salt: str | None = None) -> HashChain:
         return HashChain(root_key(model_id=self.model_id, salt=salt, hash_name=self.config.hash), self.page_size,
@@ -170,6 +171,8 @@ class PrefixIndex:
         if new:
             self.cache.hold_pages(new)
             self.stats.published_pages += len(new)
+            if self.on_publish is not None:
+                self.on_publish([self._key[r] for r in new], new)
         return len(new)
 
     # ------------------------------------------------------------------ room

@@ -1,0 +1,391 @@
+"""The remote KV tier: prefix pages shared by replicas through Redis.
+
+A fourth, optional tier below the device, host and disk tiers, for *prefix pages only*
+(DESIGN.md, "Serving"). When a replica indexes a full page in its prefix index it also
+writes the page — every layer's K and V, encoded with the cache's warm codec when one is
+configured (``codec="warm"``), raw otherwise — to Redis under the page's chain key. A replica
+admitting a request whose first pages its own index lacks asks Redis for the following
+keys (one ``MGET``), verifies each entry and writes the pages it got into the request's
+sequence through the cache's own write path (no model compute), so a second replica
+serving the same system prompt or document promotes those pages instead of recomputing
+them. The pages it read are then indexed locally like computed ones.
+
+Keys: ``<namespace>:<layout>:<chain key hex>``. The chain key (``prefix.py``) already
+covers the model id, the cache salt and every token id up to the page's end; ``layout``
+adds what the bytes depend on beyond that — the entry format version, the model's KV
+shape (layers, KV heads, head dim), page size, stored dtype, the codec and a fingerprint
+of the weights — so replicas of different models, dtypes or page sizes never read each
+other's pages.
+
+Entries: ``MAGIC | version | SHA-256 of the payload | payload``. An entry that is missing,
+evicted (Redis's own ``maxmemory`` policy, or ``ttl_seconds``), truncated or fails its
+checksum is not used: the request computes those pages (counted, never wrong output).
+Redis being down or slow (``timeout`` per call) skips the tier for ``backoff`` seconds,
+doubling up to ``max_backoff``; the server keeps serving.
+
+Writes run on a background thread (a bounded queue; when it is full, pages are not
+written and counted as dropped); reads run on the engine thread at admission, one round
+trip per request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import struct
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from tieredkv.errors import ConfigError, short
+
+MAGIC = b"TKVR"
+VERSION = 1
+_HEADER = struct.Struct("<4sB32s")  # magic, version, sha256(payload)
+CODEC_CHOICES = ("warm", "none")
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """``url``: a Redis URL (``redis://host:port/db``, ``rediss://`` for TLS, ``unix://``);
+    ``namespace``: the key prefix replicas that share pages agree on; ``ttl_seconds``: entries
+    expire after this (None: Redis's own eviction policy decides); ``codec``: ``warm`` (the
+    cache's warm codec when it has one, raw otherwise) or ``none`` (always raw); ``timeout``:
+    seconds per Redis call; ``backoff`` / ``max_backoff``: seconds the tier is skipped after a
+    failure (doubling); ``write_queue``: pages waiting to be written at most."""
+
+    url: str
+    namespace: str = "tieredkv"
+    ttl_seconds: int | None = None
+    codec: str = "warm"
+    timeout: float = 0.5
+    backoff: float = 1.0
+    max_backoff: float = 30.0
+    write_queue: int = 4096
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"remote url must be a Redis URL (redis://host:port/db, rediss://, unix://), got "
+                              f"{short(self.url)}")
+        if not isinstance(self.namespace, str) or not self.namespace or ":" in self.namespace:
+            raise ConfigError(f"remote namespace must be a non-empty string without ':', got {short(self.namespace)}")
+        if self.ttl_seconds is not None and (not isinstance(self.ttl_seconds, int) or self.ttl_seconds <= 0):
+            raise ConfigError(f"remote ttl_seconds must be a positive integer or null, got {short(self.ttl_seconds)}")
+        if self.codec not in CODEC_CHOICES:
+            raise ConfigError(f"remote codec must be one of {list(CODEC_CHOICES)}, got {short(self.codec)}")
+        for name in ("timeout", "backoff", "max_backoff"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 3600:
+                raise ConfigError(f"remote {name} must be a number of seconds in (0, 3600], got {short(v)}")
+        if not isinstance(self.write_queue, int) or isinstance(self.write_queue, bool) or self.write_queue < 1:
+            raise ConfigError(f"remote write_queue must be a positive integer, got {short(self.write_queue)}")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "RemoteConfig":
+        if isinstance(data, str):
+            data = {"url": data}
+        if not isinstance(data, dict) or "url" not in data:
+            raise ConfigError(f"remote settings must be a mapping with a url, got {short(data)}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown remote setting(s) {unknown}; expected some of {sorted(known)}")
+        return cls(**data)
+
+
+@dataclass
+class RemoteStats:
+    """What the remote tier did (pages, bytes, failures)."""
+
+    queried_pages: int = 0  # pages asked for (beyond the local prefix hits)
+    hit_pages: int = 0  # pages read, verified and used
+    miss_pages: int = 0  # asked for and absent (never written, expired or evicted)
+    corrupt_pages: int = 0  # present but unusable (bad header, size or checksum)
+    written_pages: int = 0
+    dropped_writes: int = 0  # not written: the write queue was full or Redis was down
+    bytes_read: int = 0
+    bytes_written: int = 0
+    errors: int = 0  # failed Redis calls (connection refused, timeout, ...)
+    skipped: int = 0  # lookups or writes skipped while the tier backs off
+    read_seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def model_fingerprint(model) -> str:
+    """A short hash of a few of the model's weights (its first and last parameters' first
+    bytes and their shapes): two replicas with different weights under one model name do
+    not share pages."""
+    h = hashlib.sha256()
+    params = list(model.parameters())
+    for p in (params[:2] + params[-2:]) if params else []:
+        t = p.detach().flatten()[:4096].float().cpu().contiguous()
+        h.update(str(tuple(p.shape)).encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class RemoteTier:
+    """One replica's client of the shared tier (see the module docstring). ``cache``: the
+    engine's TieredKVCache; ``model``: for the weights' fingerprint."""
+
+    def __init__(self, config: RemoteConfig, cache, model) -> None:
+        import redis
+
+        self.config, self.cache = config, cache
+        self._redis_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                              redis.exceptions.ResponseError, redis.exceptions.BusyLoadingError, OSError)
+        self.client = redis.Redis.from_url(config.url, socket_timeout=config.timeout,
+                                           socket_connect_timeout=config.timeout, health_check_interval=0)
+        spec = cache.spec
+        self.L, self.kvh, self.P, self.D = spec.num_layers, spec.num_kv_heads, cache.config.page_size, spec.head_dim
+        self.dtype = spec.dtype
+        warm = cache.mgr.warm
+        self.codec = warm.codec if (warm is not None and config.codec == "warm") else None
+        codec_name = "raw" if self.codec is None else cache.config.warm.codec
+        layout = f"v{VERSION}|L{self.L}|H{self.kvh}|D{self.D}|P{self.P}|{self.dtype}|{codec_name}|{model_fingerprint(model)}"
+        self.layout = hashlib.sha256(layout.encode()).hexdigest()[:16]
+        self.layout_text = layout
+        self.stats = RemoteStats()
+        self._known: OrderedDict[bytes, None] = OrderedDict()  # keys this replica wrote or read (not rewritten)
+        self._known_cap = 1 << 16
+        self._down_until = 0.0
+        self._delay = config.backoff
+        self._lock = threading.Lock()  # stats and backoff, shared with the writer thread
+        self._queue: queue.Queue = queue.Queue(maxsize=config.write_queue)
+        self._writer = threading.Thread(target=self._write_loop, name="tieredkv-remote-writer", daemon=True)
+        self._writer.start()
+
+    # ------------------------------------------------------------------ keys, entries
+    def key(self, chain_key: bytes) -> str:
+        return f"{self.config.namespace}:{self.layout}:{chain_key.hex()}"
+
+    @property
+    def raw_page_bytes(self) -> int:
+        return 2 * self.L * self.kvh * self.P * self.D * torch.tensor([], dtype=self.dtype).element_size()
+
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes one page's payload takes (the header adds 37)."""
+        if self.codec is None:
+            return self.raw_page_bytes
+        from tieredkv.plugins.codec import page_bytes
+
+        return self.L * page_bytes(self.codec, self.kvh, self.P, self.D)
+
+    def _payload(self, k: torch.Tensor, v: torch.Tensor) -> bytes:
+        """One page's K, V [L, KVH, P, D] as bytes."""
+        if self.codec is not None:
+            from tieredkv.plugins.codec import encode_pages
+
+            return encode_pages(k, v, self.codec).numpy().tobytes()
+        return k.to(self.dtype).contiguous().view(torch.uint8).numpy().tobytes() + \
+            v.to(self.dtype).contiguous().view(torch.uint8).numpy().tobytes()
+
+    def _unpack(self, blob: bytes | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K, V [L, KVH, P, D] of a verified entry; None when it is unusable."""
+        if blob is None or len(blob) < _HEADER.size:
+            return None
+        magic, version, digest = _HEADER.unpack_from(blob)
+        payload = memoryview(blob)[_HEADER.size:]
+        if magic != MAGIC or version != VERSION or hashlib.sha256(payload).digest() != digest:
+            return None
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if self.codec is not None:
+            from tieredkv.plugins.codec import decode_pages, page_bytes
+
+            n = page_bytes(self.codec, self.kvh, self.P, self.D)
+            if data.numel() != self.L * n:
+                return None
+            return decode_pages(data.view(self.L, n), self.codec, (self.kvh, self.P, self.D))
+        if data.numel() != self.raw_page_bytes:
+            return None
+        kv = data.view(self.dtype).view(2, self.L, self.kvh, self.P, self.D)
+        return kv[0], kv[1]
+
+    # ------------------------------------------------------------------ availability
+    def _available(self) -> bool:
+        with self._lock:
+            if time.monotonic() < self._down_until:
+                self.stats.skipped += 1
+                return False
+            return True
+
+    def _failed(self) -> None:
+        with self._lock:
+            self.stats.errors += 1
+            self._down_until = time.monotonic() + self._delay
+            self._delay = min(self._delay * 2, self.config.max_backoff)
+
+    def _ok(self) -> None:
+        with self._lock:
+            self._delay = self.config.backoff
+
+    def _remember(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self._known[key] = None
+            self._known.move_to_end(key)
+        while len(self._known) > self._known_cap:
+            self._known.popitem(last=False)
+
+    # ------------------------------------------------------------------ reads (engine thread)
+    def fetch(self, chain_keys: Sequence[bytes]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The pages of the longest run of ``chain_keys`` the tier holds intact, in order (K, V
+        [L, KVH, P, D] each); empty when Redis is down."""
+        if not chain_keys or not self._available():
+            return []
+        t0 = time.perf_counter()
+        try:
+            blobs = self.client.mget([self.key(k) for k in chain_keys])
+        except self._redis_errors:
+            self._failed()
+            return []
+        self._ok()
+        pages = []
+        with self._lock:
+            self.stats.queried_pages += len(chain_keys)
+            for blob in blobs:
+                if blob is None:
+                    self.stats.miss_pages += 1
+                    break
+                page = self._unpack(blob)
+                if page is None:
+                    self.stats.corrupt_pages += 1
+                    break
+                self.stats.bytes_read += len(blob)
+                pages.append(page)
+            self.stats.hit_pages += len(pages)
+            self.stats.read_seconds += time.perf_counter() - t0
+        self._remember(chain_keys[:len(pages)])
+        return pages
+
+    def load_into(self, seq_id: int, pages: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Write fetched pages after sequence ``seq_id``'s tokens (a page boundary) through the
+        cache's write path, as many per step as the cache takes. Returns the tokens written."""
+        cache, P = self.cache, self.P
+        limit = cache.max_step_tokens()
+        per_step = len(pages) if limit is None else max(1, limit // P)
+        written = 0
+        for lo in range(0, len(pages), per_step):
+            chunk = pages[lo: lo + per_step]
+            k = torch.stack([p[0] for p in chunk])  # [n, L, KVH, P, D]
+            v = torch.stack([p[1] for p in chunk])
+            n = len(chunk)
+            step = cache.begin_step([seq_id], n * P)
+            for layer in range(self.L):
+                kl = k[:, layer].permute(1, 0, 2, 3).reshape(1, self.kvh, n * P, self.D)
+                vl = v[:, layer].permute(1, 0, 2, 3).reshape(1, self.kvh, n * P, self.D)
+                cache.store(layer, kl, vl)
+            cache.end_step(step)
+            written += n * P
+        return written
+
+    # ------------------------------------------------------------------ writes
+    def publish(self, chain_keys: Sequence[bytes], records: Sequence[int]) -> None:
+        """Queue newly indexed pages for writing (engine thread: reads their K/V now)."""
+        todo = [(key, rec) for key, rec in zip(chain_keys, records) if key not in self._known]
+        if not todo:
+            return
+        with self._lock:
+            down = time.monotonic() < self._down_until
+        if down:
+            with self._lock:
+                self.stats.dropped_writes += len(todo)
+            return
+        mgr = self.cache.mgr
+        recs = torch.tensor([r for _, r in todo], dtype=torch.long)
+        layers = torch.arange(self.L).repeat_interleave(len(todo))
+        k, v = mgr.read_pages(layers, recs.repeat(self.L), self.dtype, exact=True)  # [L * n, KVH, P, D]
+        k = k.view(self.L, len(todo), self.kvh, self.P, self.D)
+        v = v.view(self.L, len(todo), self.kvh, self.P, self.D)
+        for i, (key, _) in enumerate(todo):
+            try:
+                self._queue.put_nowait((key, self._payload(k[:, i], v[:, i])))
+            except queue.Full:
+                with self._lock:
+                    self.stats.dropped_writes += 1
+                continue
+            self._remember([key])
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            batch = [item]
+            while len(batch) < 64:  # one pipeline per burst
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._queue.put(None)  # seen after this batch
+                    self._queue.task_done()
+                    break
+                batch.append(nxt)
+            self._write(batch)
+            for _ in batch:
+                self._queue.task_done()
+
+    def _write(self, batch: list[tuple[bytes, bytes]]) -> None:
+        if not self._available():
+            with self._lock:
+                self.stats.dropped_writes += len(batch)
+            return
+        entries = [(self.key(key), _HEADER.pack(MAGIC, VERSION, hashlib.sha256(payload).digest()) + payload)
+                   for key, payload in batch]
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for name, value in entries:
+                pipe.set(name, value, ex=self.config.ttl_seconds)
+            pipe.execute()
+        except self._redis_errors:
+            self._failed()
+            with self._lock:
+                self.stats.dropped_writes += len(batch)
+            return
+        self._ok()
+        with self._lock:
+            self.stats.written_pages += len(entries)
+            self.stats.bytes_written += sum(len(v) for _, v in entries)
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued page is written (or dropped); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Write what is queued (up to ``timeout``), stop the writer, close the connections."""
+        if self._writer.is_alive():
+            self.flush(timeout)
+            self._queue.put(None)
+            self._writer.join(timeout)
+        try:
+            self.client.close()
+        except Exception:  # noqa: BLE001 - closing a dead connection
+            pass
+
+    # ------------------------------------------------------------------ metrics
+    def metric_samples(self) -> list[tuple[str, str, str, list]]:
+        s = self.stats
+        one = lambda v: [({}, float(v))]  # noqa: E731
+        return [
+            ("remote_pages_total", "counter", "remote KV tier pages, by outcome (hit: read and used; miss: absent; "
+             "corrupt: failed verification, recomputed; written; dropped: not written)",
+             [({"outcome": o}, float(getattr(s, f"{o}_pages" if o != "dropped" else "dropped_writes")))
+              for o in ("hit", "miss", "corrupt", "written", "dropped")]),
+            ("remote_bytes_total", "counter", "bytes to and from the remote KV tier",
+             [({"direction": "read"}, float(s.bytes_read)), ({"direction": "written"}, float(s.bytes_written))]),
+            ("remote_errors_total", "counter", "failed remote KV tier calls (the tier is skipped while it backs off)",
+             one(s.errors)),
+        ]
