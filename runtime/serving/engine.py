@@ -395,6 +395,20 @@ class AsyncEngine:
         return self._submit(lambda: self.engine.add_request(prompt, params, request_id=request_id, salt=salt,
                                                             on_token=on_token, on_finish=on_finish))
 
+    def call_nowait(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn`` on the engine thread before its next step, from any thread (a Future of its
+        result): reading the engine's state between steps (the Triton model's metrics)."""
+        return self._submit(fn)
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs and takes work (not stopped, not failed)."""
+        return self._thread is not None and self._thread.is_alive() and not self._stop and self.error is None
+
+    async def call(self, fn: Callable[[], object]):
+        """Run ``fn`` on the engine thread between two steps (reading the engine's state)."""
+        return await self._call(fn)
+
     def stop_nowait(self) -> None:
         """Ask the engine thread to cancel everything and end (``shutdown`` without waiting)."""
         with self._wake:

@@ -246,7 +246,7 @@ class _Run:
             fut = self.engine.submit(prompt, params, request_id=request_id, salt=salt, on_token=on_token,
                                      on_finish=on_finish)
         except ConfigError:
-            if not engine_alive(self.engine):
+            if not self.engine.alive:
                 raise _not_running() from None
             raise
         self.reqs.append(await asyncio.wrap_future(fut))
@@ -264,12 +264,6 @@ class _Run:
 def _resolve(fut: asyncio.Future, value) -> None:
     if not fut.done():
         fut.set_result(value)
-
-
-def engine_alive(engine: AsyncEngine) -> bool:
-    """Whether the engine thread runs and takes requests."""
-    thread = engine._thread
-    return thread is not None and thread.is_alive() and not engine._stop and engine.error is None
 
 
 def _not_running() -> OpenAIError:
@@ -488,7 +482,7 @@ class _Server:
     # -------------------------------------------------------------- running
     async def start(self, prompts: list[list[int]], params: list[SamplingParams], base_id: str, salt: str | None,
                     *, stream: bool) -> _Run:
-        if not engine_alive(self.engine):
+        if not self.engine.alive:
             raise _not_running()
         run = _Run(self.engine, stream=stream)
         try:
@@ -595,16 +589,16 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, *, api_key: str 
     # -------------------------------------------------------------- health, metrics
     @app.get("/health")
     async def health() -> Response:
-        if engine_alive(engine):
+        if engine.alive:
             return JSONResponse({"status": "ok"})
         return _not_running().response()
 
     @app.get("/metrics")
     async def metrics() -> Response:
         render = lambda: prometheus_text(metric_families(engine.engine))  # noqa: E731
-        if engine_alive(engine):
+        if engine.alive:
             try:
-                text = await engine._call(render)  # on the engine thread, between two steps
+                text = await engine.call(render)  # on the engine thread, between two steps
             except ConfigError:  # it stopped meanwhile: nothing moves any more
                 text = render()
         else:
@@ -905,4 +899,4 @@ def serve(engine_args, *, host: str = "127.0.0.1", port: int = 8000, api_key: st
 
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "METRICS_CONTENT_TYPE", "OpenAIError", "ServerUnavailableError",
-           "bind_socket", "create_app", "engine_alive", "serve"]
+           "bind_socket", "create_app", "serve"]
