@@ -191,8 +191,21 @@ class EngineArgs:
         return Served(self, loaded, self.build_engine(loaded.model, loaded.tokenizer,
                                                       model_id=self.model_name(loaded)))
 
-    def model_name(self, loaded) -> str:
-        return self.served_model_name or loaded.config.name
+    def model_name(self, loaded=None) -> str:
+        """The name clients use: ``served_model_name``, else the known model's name (the
+        default SmolLM2's is ``smollm2-135m-instruct``), the engine directory's or the
+        checkpoint's file name without its suffix."""
+        from tieredkv.models.hub import DEFAULT_MODEL, MODELS
+
+        if self.served_model_name:
+            return self.served_model_name
+        if self.engine is not None:
+            return Path(self.engine).name
+        if self.model is None:
+            return DEFAULT_MODEL
+        if self.model in MODELS:
+            return self.model
+        return Path(self.model).stem if Path(self.model).suffix == ".gguf" else Path(self.model).name
 
     def build_engine(self, model, tokenizer, *, model_id: str | None = None):
         """The serving engine on an already loaded model."""
