@@ -1,0 +1,525 @@
+"""The evaluation suite: texts x tasks x context lengths, for any set of methods at KV budgets,
+into one results store, one table (markdown + JSON) and one plot.
+
+A *cell* is (method, budget, text, task, context length). Tasks are ``perplexity`` (the
+budget protocol of :mod:`tieredkv.runtime.eval.perplexity`: each window of ``context``
+tokens, its first 3/4 the compressed context, the last 1/4 scored) and the synthetic tasks
+of :mod:`tieredkv.runtime.eval.tasks` (haystack = the text without digits). A context length
+``c`` bounds everything the model sees: a perplexity window is ``c`` tokens; a task's prompt
+is ``c - ANSWER_RESERVE`` tokens, so that prompt and answer fit in ``c`` (8192 is SmolLM2's
+limit).
+
+Methods (:class:`MethodSpec`, parsed from strings by :func:`parse_method`):
+
+* ``full`` — the full cache (tieredkv's paged cache, budget 100 %), the reference that
+  Δppl is measured against;
+* ``tiered:SETTING=VALUE,...`` — tieredkv's tiered cache with those
+  :class:`~tieredkv.runtime.tiered.config.TieredKVConfig` settings (flat names, e.g.
+  ``tiered:mode=exact,warm_codec=int4,kv_dtype=float16``), at each budget as
+  ``device_budget``; ``name=...`` names the row, ``device_budget=25%`` pins one budget;
+* ``BACKEND:ARGS`` — any other backend the caller registers (``tools/eval_suite.py``
+  registers ``kvpress:PRESS``).
+
+The store (``results.json``) is saved after every cell and is also the resume point: a
+finished cell with the same parameters is skipped on a rerun.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from tieredkv.errors import ConfigError, DataFileError
+from tieredkv.models.llama import Llama
+from tieredkv.models.tokenizer import Tokenizer
+from tieredkv.runtime.eval.harness import CacheMethod, EvalMethod, tiered_method
+from tieredkv.runtime.eval.perplexity import perplexity
+from tieredkv.runtime.eval.tasks import FRAMINGS, get_task, run_task, sanitize_haystack, task_frame, task_names
+from tieredkv.runtime.eval.texts import get_source, suite_text, text_names
+
+SCHEMA = 1
+RESULTS_FILE, TABLE_FILE, TABLE_JSON, PLOT_FILE = "results.json", "table.md", "table.json", "suite.png"
+#: tokens of a task's context length left for its answer (the longest greedy answer is ~40)
+ANSWER_RESERVE = 64
+PERPLEXITY = "perplexity"
+
+
+@dataclass(frozen=True)
+class SuiteConfig:
+    """What one run measures. ``tasks`` may hold ``perplexity`` and any task of
+    :data:`tieredkv.runtime.eval.tasks.TASKS`; ``trials`` per task and text and context
+    (needle depths evenly spread); ``ppl_windows`` perplexity windows per text and context."""
+
+    texts: tuple[str, ...] = tuple(text_names())
+    tasks: tuple[str, ...] = (PERPLEXITY, *task_names())
+    contexts: tuple[int, ...] = (2048, 4096, 8192)
+    budgets: tuple[float, ...] = (0.5, 0.25, 0.125)
+    trials: int = 6
+    ppl_windows: int = 2
+    ppl_context_fraction: float = 0.75
+    seed: int = 0
+    framing: str = "task"
+
+    def __post_init__(self) -> None:
+        for t in self.tasks:
+            if t != PERPLEXITY:
+                get_task(t)
+        if not self.texts or not self.tasks or not self.contexts:
+            raise ConfigError("the suite needs at least one text, one task and one context length")
+        for c in self.contexts:
+            if c < 4 * ANSWER_RESERVE:
+                raise ConfigError(f"context length {c} is too short; expected at least {4 * ANSWER_RESERVE} tokens")
+        for b in self.budgets:
+            if not 0.0 < b <= 1.0:
+                raise ConfigError(f"budget {b} must be in (0, 1]")
+        if self.trials < 1 or self.ppl_windows < 1:
+            raise ConfigError(f"trials and ppl_windows must be >= 1, got {self.trials} and {self.ppl_windows}")
+        if self.framing not in FRAMINGS:
+            raise ConfigError(f"framing must be one of {list(FRAMINGS)}, got {self.framing!r}")
+
+    def params(self, task: str) -> dict[str, Any]:
+        """What a cell's result depends on besides (method, budget, text, task, context)."""
+        if task == PERPLEXITY:
+            return {"windows": self.ppl_windows, "context_fraction": self.ppl_context_fraction}
+        return {"trials": self.trials, "seed": self.seed, "reserve": ANSWER_RESERVE}
+
+
+#: small settings for CI and smoke runs: 1k context, 2 trials, 1 perplexity window
+QUICK = {"contexts": (1024,), "trials": 2, "ppl_windows": 1}
+
+
+# ------------------------------------------------------------------------------ methods
+@dataclass(frozen=True)
+class MethodSpec:
+    """One evaluated method. ``factory(model, budget)`` builds a *fresh* :class:`EvalMethod`
+    per cell (its ``stats()`` belong to that cell). ``budgets``: the budgets it runs at
+    (``None``: the run's). ``reference``: the full cache that Δppl is measured against."""
+
+    name: str
+    factory: Callable[[Llama, float], EvalMethod]
+    budgets: tuple[float, ...] | None = None
+    reference: bool = False
+    backend: str = "tieredkv"
+    spec: str = ""
+
+
+def full_cache() -> MethodSpec:
+    from tieredkv.runtime.paged import PagedCacheConfig, PagedKVCache
+
+    def factory(model: Llama, budget: float) -> EvalMethod:
+        spec, cfg = model.kv_spec(), PagedCacheConfig(page_size=16)
+        return CacheMethod(model, lambda _total=None: PagedKVCache(spec, cfg), name="full",
+                           info={"budget": 1.0, "cache": "PagedKVCache"})
+
+    return MethodSpec("full", factory, budgets=(1.0,), reference=True, spec="full")
+
+
+def _value(text: str) -> Any:
+    """A setting's value from its text: int, float, true/false, none, else the string."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def tiered_spec(settings: str, *, spec: str = "") -> MethodSpec:
+    """``"mode=exact,warm_codec=int4"`` -> the tiered cache with those settings at each budget."""
+    from tieredkv.runtime.tiered.config import TieredKVConfig
+
+    kv: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in settings.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"method {spec or settings!r}: {part!r} is not SETTING=VALUE")
+        kv[key.strip()] = _value(value)
+    name = str(kv.pop("name", "")) or ("tiered" + (f"[{settings}]" if settings else ""))
+    budgets = None
+    if "device_budget" in kv:
+        b = str(kv.pop("device_budget"))
+        if not b.endswith("%"):
+            raise ConfigError(f"method {spec!r}: device_budget must be a percentage here (e.g. 25%), got {b!r}")
+        budgets = (float(b[:-1]) / 100,)
+    TieredKVConfig(device_budget="50%", **kv)  # fail now on a bad setting, not after hours of other cells
+
+    def factory(model: Llama, budget: float) -> EvalMethod:
+        config = TieredKVConfig(device_budget=f"{100 * budget:g}%", **kv)
+        # keep_decoded_warm: the CPU evaluation aid of the warm pool (each page decoded once; same numerics)
+        return tiered_method(model, config, name=name, keep_decoded_warm=True)
+
+    return MethodSpec(name, factory, budgets=budgets, backend="tieredkv", spec=spec or f"tiered:{settings}")
+
+
+def parse_method(spec: str, backends: Mapping[str, Callable[[str], MethodSpec]] | None = None) -> MethodSpec:
+    """``full``, ``tiered:SETTINGS`` or ``BACKEND:ARGS`` for a registered backend."""
+    if spec.strip() == "full":
+        return full_cache()
+    backend, sep, rest = spec.partition(":")
+    if backend == "tiered":
+        return tiered_spec(rest, spec=spec)
+    if sep and backends and backend in backends:
+        return backends[backend](rest)
+    known = ["full", "tiered:SETTING=VALUE,..."] + [f"{b}:..." for b in (backends or {})]
+    raise ConfigError(f"unknown method {spec!r}; expected one of {known}")
+
+
+# ------------------------------------------------------------------------------ texts
+@dataclass(frozen=True)
+class SuiteText:
+    name: str
+    text: str
+    genre: str
+    scorer: str  # "seen" (the scorer trained on it), "held-out", or "user" (a user's file)
+
+
+def load_texts(items: Iterable[str], *, log: Callable[[str], None] | None = None) -> list[SuiteText]:
+    """Registered text names (:data:`tieredkv.runtime.eval.texts.TEXTS`) or ``NAME=PATH`` of a
+    user's UTF-8 text file."""
+    out = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if sep:
+            p = Path(path)
+            try:
+                text = p.read_text(encoding="utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataFileError(f"{p}: not UTF-8 text ({exc})") from None
+            except OSError as exc:
+                raise DataFileError(f"{p}: cannot read the text file ({exc.strerror or exc})") from None
+            out.append(SuiteText(name, text, "user file", "user"))
+        else:
+            source = get_source(name)
+            out.append(SuiteText(name, suite_text(name, log=log), source.genre, source.scorer))
+    if len({t.name for t in out}) != len(out):
+        raise ConfigError(f"text names must be distinct, got {[t.name for t in out]}")
+    return out
+
+
+# ------------------------------------------------------------------------------ the store
+def cell_key(method: str, budget: float, text: str, task: str, context: int) -> str:
+    return f"{method}@{budget:g}/{text}/{task}@{context}"
+
+
+def load_store(path: Path) -> dict[str, Any]:
+    if path.is_file():
+        store = json.loads(path.read_text())
+        if store.get("schema") == SCHEMA and store.get("kind") == "eval-suite":
+            return store
+    return {"schema": SCHEMA, "kind": "eval-suite", "meta": {}, "results": {}}
+
+
+def save_store(store: dict[str, Any], path: Path) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(store, indent=1, default=str))
+    os.replace(tmp, path)  # atomic: a killed run never leaves half a file
+
+
+@dataclass
+class Cell:
+    spec: MethodSpec
+    budget: float
+    text: SuiteText
+    task: str
+    context: int
+
+    @property
+    def key(self) -> str:
+        return cell_key(self.spec.name, self.budget, self.text.name, self.task, self.context)
+
+
+def plan(specs: Sequence[MethodSpec], texts: Sequence[SuiteText], config: SuiteConfig) -> list[Cell]:
+    """Every cell, text by text (one tokenization each), then context, task, method, budget."""
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"method names must be distinct, got {names}; name tiered rows with name=...")
+    return [Cell(s, b, t, task, c) for t in texts for c in config.contexts for task in config.tasks
+            for s in specs for b in (s.budgets or config.budgets)]
+
+
+def run_suite(specs: Sequence[MethodSpec], model: Llama, tokenizer: Tokenizer, texts: Sequence[SuiteText],
+              config: SuiteConfig, out_dir: Path, *, model_name: str = "", log: Callable[[str], None] = print,
+              progress: bool = True) -> dict[str, Any]:
+    """Run every cell not already in ``out_dir``'s store; rewrite the store and the table after
+    each cell, the plot at the end. Returns the store."""
+    from tqdm.auto import tqdm
+
+    limit = model.config.max_position_embeddings
+    too_long = [c for c in config.contexts if c > limit]
+    if too_long:
+        raise ConfigError(f"context lengths {too_long} exceed the model's context of {limit} tokens")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    store_path = out_dir / RESULTS_FILE
+    store = load_store(store_path)
+    meta = store["meta"]
+    meta.setdefault("created", _dt.date.today().isoformat())
+    frames = {t: task_frame(t, tokenizer, config.framing) for t in config.tasks if t != PERPLEXITY}
+    meta.update(model=model_name or model.config.name, framing={t: f.name for t, f in frames.items()},
+                config={k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()},
+                texts={t.name: {"genre": t.genre, "scorer": t.scorer} for t in texts})
+    cells = plan(specs, texts, config)
+    log(f"{len(cells)} cell(s): {len(specs)} method(s) x {len(texts)} text(s) x {len(config.tasks)} task(s) x "
+        f"contexts {list(config.contexts)}; results in {store_path}")
+    tokens: dict[str, tuple[list[int], list[int]]] = {}
+    bar = tqdm(cells, desc="eval-suite", unit="cell", disable=not progress)
+    for cell in bar:
+        bar.set_postfix_str(cell.key)
+        params = config.params(cell.task)
+        if cell.task in frames:
+            params["framing"] = frames[cell.task].name  # what the prompts were, whatever the option said
+        done = store["results"].get(cell.key)
+        if done is not None and done.get("params") == params:
+            continue
+        if cell.text.name not in tokens:
+            tokens.clear()  # one text's tokens at a time
+            tokens[cell.text.name] = (tokenizer.encode(cell.text.text, add_bos=False),
+                                      tokenizer.encode(sanitize_haystack(cell.text.text), add_bos=False))
+        ids, haystack = tokens[cell.text.name]
+        t_start = time.perf_counter()
+        method = cell.spec.factory(model, cell.budget)
+        if cell.task == PERPLEXITY:
+            res = perplexity(method, ids, window=cell.context, max_windows=config.ppl_windows,
+                             context_fraction=config.ppl_context_fraction, progress=False)
+            figure = f"ppl {res.perplexity:.4f}"
+        else:
+            res = run_task(method, tokenizer, haystack, cell.task, context=cell.context - ANSWER_RESERVE,
+                           trials=config.trials, seed=config.seed, frame=frames[cell.task], progress=False)
+            figure = f"acc {res.accuracy:.2f} recall {res.recall:.2f} logprob {res.mean_logprob:.3f}"
+        store["results"][cell.key] = {
+            "method": cell.spec.name, "spec": cell.spec.spec, "budget": cell.budget, "backend": cell.spec.backend,
+            "reference": cell.spec.reference, "text": cell.text.name, "task": cell.task, "context": cell.context,
+            "params": params, "seconds": time.perf_counter() - t_start,
+            "finished": _dt.datetime.now().isoformat(timespec="seconds"), "result": res.to_dict(),
+        }
+        meta["updated"] = _dt.date.today().isoformat()
+        save_store(store, store_path)
+        write_tables(store, out_dir)
+        log(f"done {cell.key}: {figure} ({time.perf_counter() - t_start:.1f}s)")
+    save_store(store, store_path)
+    write_report(store, out_dir)
+    return store
+
+
+# ------------------------------------------------------------------------------ summary
+@dataclass
+class Row:
+    """One (method, budget, context, text) row of the table; ``text`` is ``"mean"`` for the
+    mean over texts. ``tasks``: task -> (accuracy, recall, mean log-prob)."""
+
+    method: str
+    budget: float
+    backend: str
+    reference: bool
+    context: int | None  # None: every context length
+    text: str
+    perplexity: float | None = None
+    delta_ppl_pct: float | None = None
+    tasks: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+
+    @property
+    def task_accuracy(self) -> float | None:
+        return _mean([a for a, _, _ in self.tasks.values()])
+
+    @property
+    def task_logprob(self) -> float | None:
+        return _mean([lp for _, _, lp in self.tasks.values()])
+
+
+def _mean(xs: Sequence[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _tasks_of(store: dict[str, Any]) -> list[str]:
+    seen = {e["task"] for e in store["results"].values() if e["task"] != PERPLEXITY}
+    order = task_names()
+    return [t for t in order if t in seen] + sorted(seen - set(order))
+
+
+def summarize(store: dict[str, Any]) -> list[Row]:
+    """Per (method, budget, context): one row per text, then the mean over texts; then per
+    (method, budget) the mean over every context (``context=None``)."""
+    entries = list(store["results"].values())
+    ref_ppl = {(e["text"], e["context"]): e["result"]["perplexity"] for e in entries
+               if e["reference"] and e["task"] == PERPLEXITY}
+    rows: dict[tuple, Row] = {}
+    for e in entries:
+        key = (e["method"], e["budget"], e["context"], e["text"])
+        r = rows.setdefault(key, Row(e["method"], e["budget"], e["backend"], e["reference"], e["context"], e["text"]))
+        res = e["result"]
+        if e["task"] == PERPLEXITY:
+            r.perplexity = res["perplexity"]
+            ref = ref_ppl.get((e["text"], e["context"]))
+            r.delta_ppl_pct = 100 * (res["perplexity"] / ref - 1) if ref else None
+        else:
+            r.tasks[e["task"]] = (res["accuracy"], res["recall"], res["mean_logprob"])
+    out: list[Row] = []
+    groups: dict[tuple, list[Row]] = {}
+    for r in rows.values():
+        groups.setdefault((r.method, r.budget, r.context), []).append(r)
+    overall: dict[tuple, list[Row]] = {}
+    for (method, budget, context), members in groups.items():
+        members.sort(key=lambda r: r.text)
+        mean = _mean_row(members, context=context)
+        out += members + [mean]
+        overall.setdefault((method, budget), []).append(mean)
+    for members in overall.values():
+        out.append(_mean_row(members, context=None))
+    return out
+
+
+def _mean_row(members: Sequence[Row], *, context: int | None) -> Row:
+    first = members[0]
+    tasks = sorted({t for r in members for t in r.tasks})
+    ppl = [r.perplexity for r in members if r.perplexity is not None]
+    return Row(first.method, first.budget, first.backend, first.reference, context, "mean",
+               perplexity=math.exp(sum(math.log(p) for p in ppl) / len(ppl)) if ppl else None,
+               delta_ppl_pct=_mean([r.delta_ppl_pct for r in members]),
+               tasks={t: tuple(_mean([r.tasks[t][i] for r in members if t in r.tasks]) for i in range(3))
+                      for t in tasks})
+
+
+# ------------------------------------------------------------------------------ table & plot
+def _fmt(x: float | None, spec: str) -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def _cell(v: tuple[float, float, float] | None) -> str:
+    return "–" if v is None else f"{v[0]:.2f} ({v[2]:.2f})"
+
+
+def protocol_line(store: dict[str, Any]) -> str:
+    meta = store.get("meta", {})
+    cfg = meta.get("config", {})
+    texts = ", ".join(f"{n} ({v['genre']}; {'seen by the scorer' if v['scorer'] == 'seen' else v['scorer']})"
+                      for n, v in meta.get("texts", {}).items())
+    return (f"Model {meta.get('model', '?')}; question-agnostic (every context compressed before the question or "
+            f"the scored continuation is seen); texts: {texts}; perplexity: {cfg.get('ppl_windows')} window(s) of "
+            f"the context length per text, the first {cfg.get('ppl_context_fraction')} of each the compressed "
+            f"context; tasks: {cfg.get('trials')} trial(s) per text at evenly spread depths, seed {cfg.get('seed')}, "
+            f"framing {_framing(meta.get('framing'))}, haystacks without digits; date "
+            f"{meta.get('updated', meta.get('created', '?'))}.")
+
+
+def _framing(frames: Any) -> str:
+    if not isinstance(frames, dict) or not frames:
+        return "?"
+    by: dict[str, list[str]] = {}
+    for task, frame in frames.items():
+        by.setdefault(frame, []).append(task)
+    return " / ".join(f"{f} ({', '.join(ts)})" for f, ts in by.items())
+
+
+def table_markdown(store: dict[str, Any]) -> str:
+    rows = summarize(store)
+    tasks = _tasks_of(store)
+    head = (["method", "budget %", "Δppl % vs full"] + [f"{t} acc (log-prob)" for t in tasks]
+            + ["task mean acc", "task mean log-prob"])
+    lines = ["# Evaluation suite", "", protocol_line(store), "",
+             "Task cells: exact-match accuracy, and in brackets the mean teacher-forced log-probability of the "
+             "answer (nats; higher is better). Δppl: perplexity relative to the full cache on the same text and "
+             "context length, mean over texts.", "",
+             "## Summary: mean over texts and context lengths", "",
+             "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for r in (r for r in rows if r.context is None):
+        lines.append(f"| {r.method} | {100 * r.budget:g} | {_fmt(r.delta_ppl_pct, '+.2f')} | "
+                     + " | ".join(_cell(r.tasks.get(t)) for t in tasks)
+                     + f" | {_fmt(r.task_accuracy, '.2f')} | {_fmt(r.task_logprob, '.2f')} |")
+    contexts = sorted({r.context for r in rows if r.context is not None})
+    head = (["method", "budget %", "text", "ppl", "Δppl %"] + list(tasks) + ["task mean acc", "task mean log-prob"])
+    for c in contexts:
+        lines += ["", f"## Context length {c}", "", "| " + " | ".join(head) + " |",
+                  "|---|---:|---|" + "---:|" * (len(head) - 3)]
+        for r in (r for r in rows if r.context == c):
+            text = "**mean**" if r.text == "mean" else r.text
+            lines.append(f"| {r.method} | {100 * r.budget:g} | {text} | {_fmt(r.perplexity, '.3f')} | "
+                         f"{_fmt(r.delta_ppl_pct, '+.2f')} | " + " | ".join(_cell(r.tasks.get(t)) for t in tasks)
+                         + f" | {_fmt(r.task_accuracy, '.2f')} | {_fmt(r.task_logprob, '.2f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_tables(store: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
+    """``table.md`` and ``table.json`` (the same rows as data)."""
+    md = out_dir / TABLE_FILE
+    md.write_text(table_markdown(store))
+    js = out_dir / TABLE_JSON
+    rows = [{**asdict(r), "task_mean_accuracy": r.task_accuracy, "task_mean_logprob": r.task_logprob,
+             "tasks": {t: {"accuracy": a, "recall": rc, "mean_logprob": lp} for t, (a, rc, lp) in r.tasks.items()}}
+            for r in summarize(store)]
+    js.write_text(json.dumps({"meta": store.get("meta", {}), "rows": rows}, indent=1, default=str))
+    return md, js
+
+
+def write_report(store: dict[str, Any], out_dir: Path) -> tuple[Path, Path, Path]:
+    """``table.md``, ``table.json`` and ``suite.png``."""
+    return (*write_tables(store, out_dir), write_plot(store, out_dir))
+
+
+def write_plot(store: dict[str, Any], out_dir: Path) -> Path:
+    """One panel per figure of the summary (Δppl %, each task's accuracy, the mean log-prob)
+    against the budget, one line per method; the full cache as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in summarize(store) if r.context is None]
+    tasks = _tasks_of(store)
+    panels: list[tuple[str, Callable[[Row], float | None]]] = [("Δppl % vs full (mean over texts)",
+                                                                 lambda r: r.delta_ppl_pct)]
+    panels += [(f"{t}: accuracy", (lambda t: lambda r: r.tasks[t][0] if t in r.tasks else None)(t)) for t in tasks]
+    panels += [("tasks: mean answer log-prob (nats)", lambda r: r.task_logprob)]
+    cols = min(4, len(panels))
+    nrows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3.4 * nrows), squeeze=False)
+    budgets = sorted({r.budget for r in rows})
+    colors = plt.get_cmap("tab10")
+    names = list(dict.fromkeys(r.method for r in rows))
+    for ax, (label, value) in zip(axes.flat, panels):
+        for i, name in enumerate(names):
+            pts = sorted((r for r in rows if r.method == name and value(r) is not None), key=lambda r: r.budget)
+            if not pts:
+                continue
+            if pts[0].reference:
+                ax.axhline(value(pts[0]), color="black", linestyle="--", linewidth=1, label=f"{name} (100 %)")
+                continue
+            ours = pts[0].backend == "tieredkv"
+            ax.plot([100 * p.budget for p in pts], [value(p) for p in pts], marker="s" if ours else "o",
+                    linestyle="-" if ours else "--", color=colors(i % 10), label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([100 * b for b in budgets])
+        ax.set_xticklabels([f"{100 * b:g}" for b in budgets])
+        ax.set_xlabel("KV budget %")
+        if label.endswith("accuracy"):
+            ax.set_ylim(-0.05, 1.05)
+        ax.set_title(label, fontsize=9)
+        ax.grid(True, alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    handles, labels = {}, []
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in handles:
+                handles[lab] = h
+                labels.append(lab)
+    fig.legend([handles[lab] for lab in labels], labels, loc="lower center", ncol=min(4, max(1, len(labels))),
+               fontsize=8)
+    meta = store.get("meta", {})
+    fig.suptitle(f"Evaluation suite — {meta.get('model', '')}: mean over texts and context lengths "
+                 "(question-agnostic)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    path = out_dir / PLOT_FILE
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
