@@ -30,7 +30,7 @@ from tieredkv.runtime.serving.engine import AsyncEngine
 from tieredkv.runtime.serving.openai_server import METRICS_CONTENT_TYPE, bind_socket, create_app
 
 MAX_LEN = 512
-MODEL = "tiny-test"  # the name write_gguf gives the model
+MODEL = "tiny"  # the served name: the checkpoint file's name without .gguf
 TIERED = dict(kv={"device_budget": "25%"}, scheduler={"max_model_len": MAX_LEN, "max_num_seqs": 8})
 PAGED = dict(scheduler={"max_model_len": MAX_LEN, "max_num_seqs": 8})
 PROMPTS = ["Hello there, the world", "the cat sat on the mat", "in the beginning", "a", "seven sins and the sea"]
