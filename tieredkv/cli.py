@@ -303,9 +303,34 @@ def cmd_triton_repo(args: argparse.Namespace) -> int:
 
     path = write_repository(args.output, EngineArgs.from_namespace(args), model_name=args.model_name,
                             on_cancel=args.on_cancel, force=args.force)
-    _log(f"wrote the Triton model repository {path}; serve it with: tritonserver --model-repository {path}")
+    _log(f"wrote the Triton model repository {path}; serve it with: tieredkv triton-server run --model-repository "
+         f"{path} (or NVIDIA's tritonserver --model-repository {path}; docs/triton.md)")
     print(path)
     return 0
+
+
+def cmd_triton_server_pull(args: argparse.Namespace) -> int:
+    from tieredkv.runtime.serving.triton.server import pull_tritonserver
+
+    print(pull_tritonserver(force=args.force, log=_log))
+    return 0
+
+
+def cmd_triton_server_run(args: argparse.Namespace) -> int:
+    from tieredkv.runtime.serving.triton.server import TritonServer
+
+    server = TritonServer(args.model_repository, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+                          metrics_port=args.metrics_port, log_file=args.log_file, log_verbose=args.log_verbose)
+    with server:
+        _log(f"tritonserver (pid {server.pid}) ready: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics "
+             f"{server.metrics_url}; log {server.log_file}; Ctrl-C stops it")
+        try:
+            code = server.wait()
+        except KeyboardInterrupt:
+            return 0
+        tail = server.log_tail()  # before the temporary log goes with the server
+    _log(f"tritonserver exited with status {code}; its log ends with:\n{tail}")
+    return 1
 
 
 # ------------------------------------------------------------------------------ parser
@@ -404,6 +429,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_args(tr)
     add_engine_arguments(tr)
     tr.set_defaults(func=cmd_triton_repo)
+
+    ts = sub.add_parser("triton-server", help="get and run a Triton Inference Server here (the server inside the "
+                                              "nvidia-pytriton wheel; on a GPU machine use NVIDIA's container)")
+    tssub = ts.add_subparsers(dest="triton_server_command", required=True)
+    tsp = tssub.add_parser("pull", help="download tritonserver 2.51 into the tieredkv cache (pip download --no-deps "
+                                        "nvidia-pytriton==0.7.0; the server only)")
+    tsp.add_argument("--force", action="store_true", help="download again even if present")
+    tsp.set_defaults(func=cmd_triton_server_pull)
+    tsr = tssub.add_parser("run", help="run tritonserver on a model repository (the environment its Python backend "
+                                       "needs set up) until Ctrl-C")
+    tsr.add_argument("--model-repository", required=True, help="the model repository (tieredkv triton-repo --output)")
+    tsr.add_argument("--host", default="127.0.0.1", help="address of the HTTP, gRPC and metrics endpoints "
+                                                         "(default 127.0.0.1)")
+    tsr.add_argument("--http-port", type=int, default=8000, help="default 8000 (0: a free port)")
+    tsr.add_argument("--grpc-port", type=int, default=8001, help="default 8001 (0: a free port)")
+    tsr.add_argument("--metrics-port", type=int, default=8002, help="default 8002 (0: a free port)")
+    tsr.add_argument("--log-file", default=None, help="the server's log (default: a temporary file)")
+    tsr.add_argument("--log-verbose", type=int, default=0)
+    tsr.set_defaults(func=cmd_triton_server_run)
 
     sb = sub.add_parser("serve-bench", add_help=False,
                         help="the serving benchmark: five arms at one KV budget (see `tieredkv serve-bench --help`)")

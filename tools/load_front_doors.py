@@ -122,9 +122,9 @@ def start_triton(args, workdir: Path) -> tuple[object, str]:
     eargs = EngineArgs(model=args.model, kv=kv, scheduler={"max_model_len": args.max_model_len,
                                                             "max_num_seqs": args.max_num_seqs})
     repo = write_repository(workdir / "triton-repo", eargs, model_name="tieredkv")
-    server = TritonServer(repo, log_path=workdir / "triton.log", startup_timeout=args.start_timeout)
+    server = TritonServer(repo, log_file=workdir / "triton.log", startup_timeout=args.start_timeout)
     server.start()
-    return server, server.http_url
+    return server, f"http://{server.http_url}"
 
 
 # ------------------------------------------------------------------------------ clients
