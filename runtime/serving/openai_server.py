@@ -532,6 +532,23 @@ class _Server:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+async def _stream(srv, run, chunk: Callable, choice: Callable, include_usage: bool,
+                  first: list[dict]) -> AsyncIterator[str]:
+    """A streamed completion's SSE events: ``first`` choices, one chunk per token event (an
+    engine error ends the stream with an error event), the usage chunk when asked, [DONE]."""
+    for c in first:
+        yield _sse(chunk([c]))
+    async for k, text, finish, error in _choice_events(run):
+        if error is not None:
+            yield _sse(error.body())
+            break
+        yield _sse(chunk([choice(k, text, finish)]))
+    else:
+        if include_usage:
+            yield _sse(chunk([], srv.usage(run)))
+    yield "data: [DONE]\n\n"
+
+
 def create_app(engine: AsyncEngine, tokenizer, model_name: str, *, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (an :class:`AsyncEngine`; the caller starts it and shuts
     it down) under ``model_name``. ``api_key``: the ``/v1`` routes answer 401 without
@@ -635,26 +652,16 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, *, api_key: str 
             return out
 
         if body.stream:
-            async def events() -> AsyncIterator[str]:
-                if body.echo:
-                    for k in range(len(prompts)):
-                        yield _sse(chunk([{"index": k, "text": prompt_text(k), "logprobs": None,
-                                           "finish_reason": None}]))
-                async for k, text, finish, error in _choice_events(run):
-                    if error is not None:
-                        yield _sse(error.body())
-                        break
-                    c = {"index": k, "text": text, "logprobs": None, "finish_reason": finish}
-                    if finish is not None and body.return_token_ids:
-                        c["token_ids"] = list(run.reqs[k].out.token_ids)
-                        c["prompt_token_ids"] = list(run.reqs[k].out.prompt_token_ids)
-                    yield _sse(chunk([c]))
-                else:
-                    if include_usage:
-                        yield _sse(chunk([], srv.usage(run)))
-                yield "data: [DONE]\n\n"
+            def choice(k: int, text: str, finish: str | None) -> dict:
+                c = {"index": k, "text": text, "logprobs": None, "finish_reason": finish}
+                if finish is not None and body.return_token_ids:
+                    c["token_ids"] = list(run.reqs[k].out.token_ids)
+                    c["prompt_token_ids"] = list(run.reqs[k].out.prompt_token_ids)
+                return c
 
-            return _EventStream(_guarded(events()), run.abort_unfinished)
+            first = [choice(k, prompt_text(k), None) for k in range(len(prompts))] if body.echo else []
+            return _EventStream(_guarded(_stream(srv, run, chunk, choice, include_usage, first)),
+                                run.abort_unfinished)
 
         if not await srv.wait(run, request):
             logger.info("%s: the client went away; its request was cancelled", rid)
@@ -702,24 +709,16 @@ def create_app(engine: AsyncEngine, tokenizer, model_name: str, *, api_key: str 
             return out
 
         if body.stream:
-            async def events() -> AsyncIterator[str]:
-                yield _sse(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                   "finish_reason": None}]))
-                async for k, text, finish, error in _choice_events(run):
-                    if error is not None:
-                        yield _sse(error.body())
-                        break
-                    c = {"index": k, "delta": {"content": text} if text else {}, "logprobs": None,
-                         "finish_reason": finish}
-                    if finish is not None and body.return_token_ids:
-                        c["token_ids"] = list(run.reqs[k].out.token_ids)
-                    yield _sse(chunk([c]))
-                else:
-                    if include_usage:
-                        yield _sse(chunk([], srv.usage(run)))
-                yield "data: [DONE]\n\n"
+            def choice(k: int, text: str, finish: str | None) -> dict:
+                c = {"index": k, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+                if finish is not None and body.return_token_ids:
+                    c["token_ids"] = list(run.reqs[k].out.token_ids)
+                return c
 
-            return _EventStream(_guarded(events()), run.abort_unfinished)
+            first = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}]
+            return _EventStream(_guarded(_stream(srv, run, chunk, choice, include_usage, first)),
+                                run.abort_unfinished)
 
         if not await srv.wait(run, request):
             logger.info("%s: the client went away; its request was cancelled", rid)
