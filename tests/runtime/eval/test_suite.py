@@ -330,15 +330,16 @@ QUICK_FLOORS = {"passkey": 0.8, "multikey": 0.8, "multivalue": 0.8, "multiquery"
 
 @pytest.mark.slow
 def test_smollm2_full_cache_solves_the_quick_suite(smollm, tmp_path):
-    from tieredkv.runtime.eval.texts import text_names
-
-    texts = S.load_texts(text_names())
-    store = S.run_suite([S.full_cache()], smollm.model, smollm.tokenizer, texts, S.SuiteConfig(**S.QUICK),
-                        tmp_path, log=lambda _msg: None, progress=False)
+    """Two texts (the scorer's and a held-out drama) keep CI short; measured on all five texts
+    in docs/eval-suite.md. Variable tracking is left out: SmolLM2's full cache does not solve it."""
+    names = ("pg-essays", "as-you-like-it")
+    texts = S.load_texts(list(names))
+    config = S.SuiteConfig(**{**S.QUICK, "tasks": ("perplexity", *QUICK_FLOORS)})
+    store = S.run_suite([S.full_cache()], smollm.model, smollm.tokenizer, texts, config, tmp_path,
+                        log=lambda _msg: None, progress=False)
     rows = {r.text: r for r in S.summarize(store) if r.context == 1024}
     mean = rows["mean"]
     for task, floor in QUICK_FLOORS.items():
         assert mean.tasks[task][0] >= floor, (task, mean.tasks[task])
-    assert mean.tasks["vartrack"][1] >= 0.15  # recall: it names part of the chain (the accuracy is 0)
-    for name in text_names():  # measured: 12.8 (factbook) ... 28.2 (essays)
+    for name in names:  # measured: 28.2 (essays), 13.1 (drama)
         assert 8 < rows[name].perplexity < 40, (name, rows[name].perplexity)
