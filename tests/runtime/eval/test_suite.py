@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import os
 import re
 import sys
 from pathlib import Path
@@ -329,6 +330,8 @@ QUICK_FLOORS = {"passkey": 0.8, "multikey": 0.8, "multivalue": 0.8, "multiquery"
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("TIEREDKV_EVAL_SUITE") != "1",
+                    reason="minutes of SmolLM2 decoding on 2 cores; set TIEREDKV_EVAL_SUITE=1 to run it")
 def test_smollm2_full_cache_solves_the_quick_suite(smollm, tmp_path):
     """Two texts (the scorer's and a held-out drama) keep CI short; measured on all five texts
     in docs/eval-suite.md. Variable tracking is left out: SmolLM2's full cache does not solve it."""
