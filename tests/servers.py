@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from tieredkv.runtime.serving.triton.server import free_ports
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def need_binary(name: str) -> str:

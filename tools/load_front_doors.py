@@ -32,7 +32,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,12 +39,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _log(msg: str) -> None:
@@ -106,7 +99,9 @@ def start_redis(workdir: Path) -> tuple[Proc, str]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("redis-server is not installed (apt-get install redis-server)")
-    port = _free_port()
+    from tieredkv.runtime.serving.triton.server import free_ports
+
+    port = free_ports(1)[0]
     proc = Proc([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                  "--dir", str(workdir)], workdir / "redis.log")
     proc.wait_for(r"Ready to accept connections", 30)

@@ -141,7 +141,7 @@ class Engine:
         try:
             written = self.remote.load_into(req.seq_id, pages)
         except (TieredKVError, RuntimeError, ValueError):  # start over from the local hits: compute the rest
-            self.remote.stats.errors += 1
+            self.remote.count_error()
             shared = self.cache.records_of(req.seq_id)[:local]
             self.cache.free_sequence(req.seq_id)
             req.seq_id = self.cache.add_sequence(shared=shared) if shared else self.cache.add_sequence()

@@ -47,9 +47,9 @@ def metric_families(engine) -> list[Family]:
     add("engine_steps_total", "counter", "engine steps", m.steps_total)
     add("preemptions_total", "counter", "preemptions, by kind (demote: KV kept off the device; recompute)",
         samples=[({"kind": k}, float(m.preemptions.get(k, 0))) for k in ("demote", "recompute")])
-    lat = m.summary() if m.requests else None
+    lat = m.latencies(tuple(LATENCIES))  # not summary(): this runs on the engine thread between steps
     for key, help in LATENCIES.items():
-        q = lat[key] if lat else {}
+        q = lat[key]
         add(f"{key}_seconds", "gauge", f"{help}, quantiles over the last {len(m.requests)} requests",
             samples=[({"quantile": label}, float(q[p])) for p, label in (("p50", "0.5"), ("p90", "0.9"),
                                                                            ("p99", "0.99")) if q.get(p) is not None])

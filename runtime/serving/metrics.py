@@ -11,6 +11,10 @@ import numpy as np
 from tieredkv.runtime.serving.request import RequestMetrics, percentile
 
 
+#: the per-request latencies (RequestMetrics properties) a summary reports
+LATENCIES = ("queue_time", "ttft", "prefill_time", "tpot", "e2e", "itl_max")
+
+
 @dataclass
 class StepSample:
     """The state after one engine step."""
@@ -76,9 +80,17 @@ class ServingMetrics:
         n = len(steps)
         return steps[n // 10: n - n // 10] or steps
 
+    def latencies(self, names: tuple[str, ...] = LATENCIES) -> dict[str, dict]:
+        """p50/p90/p99 and mean (seconds) of each per-request latency over the kept requests."""
+        out = {}
+        for name in names:
+            values = [v for v in (getattr(r, name) for r in self.requests) if v is not None]
+            out[name] = {f"p{q}": _r(percentile(values, q)) for q in (50, 90, 99)}
+            out[name]["mean"] = _r(float(np.mean(values))) if values else None
+        return out
+
     def summary(self) -> dict:
         """Counts, throughput, latency percentiles (seconds), KV memory and prefix reuse."""
-        done = self.requests
         wall = (self.end or 0.0) - (self.start or 0.0)
         out_tokens = self.output_tokens_total
         res: dict = {"requests": self.requests_total, "finish_reasons": dict(self.finish_reasons),
@@ -88,10 +100,7 @@ class ServingMetrics:
                      "output_tok_s": round(out_tokens / wall, 3) if wall > 0 else 0.0,
                      "prefill_seconds": round(self.prefill_seconds, 3), "decode_seconds": round(self.decode_seconds, 3),
                      "preemptions": dict(self.preemptions)}
-        for name in ("queue_time", "ttft", "prefill_time", "tpot", "e2e", "itl_max"):
-            values = [v for v in (getattr(r, name) for r in done) if v is not None]
-            res[name] = {f"p{q}": _r(percentile(values, q)) for q in (50, 90, 99)}
-            res[name]["mean"] = _r(float(np.mean(values))) if values else None
+        res.update(self.latencies())
         steady = self.steady()
         alloc = np.array([s.kv_allocated for s in steady], dtype=float)
         used = np.array([s.kv_used for s in steady], dtype=float)

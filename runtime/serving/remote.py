@@ -222,6 +222,11 @@ class RemoteTier:
             self._down_until = time.monotonic() + self._delay
             self._delay = min(self._delay * 2, self.config.max_backoff)
 
+    def count_error(self) -> None:
+        """A failure outside Redis (writing fetched pages into the cache): counted, no backoff."""
+        with self._lock:
+            self.stats.errors += 1
+
     def _ok(self) -> None:
         with self._lock:
             self._delay = self.config.backoff
