@@ -490,7 +490,7 @@ def _publish(tmp: Path, output: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tieredkv.lifecycle import signals_exit, terminated
+    from tieredkv.lifecycle import received_exit, signals_exit, terminated
 
     args = parse_args(argv)
     try:
@@ -511,6 +511,9 @@ def main(argv: list[str] | None = None) -> int:
         log("interrupted; nothing was written")
         return 130
     except Exception as exc:  # never a traceback; the temporary directory is already gone
+        if (code := received_exit()) is not None:  # the signal landed inside an import's C code
+            log("terminated; nothing was written")
+            return code
         log(f"error: the build failed unexpectedly ({type(exc).__name__}: {exc}); nothing was written")
         return EXIT_VERIFY
     return 0

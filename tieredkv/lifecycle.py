@@ -29,8 +29,21 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+#: the exit status of the terminating signal received within :func:`signals_exit`, if any
+_received: list[int] = []
+
+
 def _raise_exit(signum, frame) -> None:
+    _received.append(128 + signum)
     raise SystemExit(128 + signum)
+
+
+def received_exit() -> int | None:
+    """The exit status (128 + signal) of a terminating signal received within the current (or
+    last) :func:`signals_exit` block, else None. A signal that lands inside a C extension's
+    initialisation reaches the caller as another exception (``ImportError: initialization
+    failed``), not as the SystemExit the handler raised: this tells the caller it was one."""
+    return _received[0] if _received else None
 
 
 def terminated(exc: SystemExit) -> bool:
@@ -45,6 +58,7 @@ def signals_exit() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _received.clear()
     previous = {s: signal.signal(s, _raise_exit) for s in TERMINATING}
     try:
         yield

@@ -368,6 +368,27 @@ def test_cli_sigterm_and_a_killed_build_leave_nothing(tiny_gguf, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_sigterm_inside_an_import_is_still_a_termination(monkeypatch, capsys):
+    """A SIGTERM that lands inside a C extension's initialisation (importing ONNX Runtime)
+    reaches the build as ``ImportError: initialization failed``, not as the handler's
+    SystemExit: the build still reports a termination (143), not a failure."""
+    import signal
+    import time
+
+    from tieredkv.builder import build_engine
+
+    def build(args):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except SystemExit:
+            raise ImportError("initialization failed") from None  # what the interpreter turns it into
+
+    monkeypatch.setattr(build_engine, "build", build)
+    assert build_engine.main(["--model", "x.gguf", "--output", "out"]) == 143
+    assert "terminated; nothing was written" in capsys.readouterr().err
+
+
 def test_cli_existing_dir_without_force_is_left_alone(tiny_gguf, tmp_path):
     out = tmp_path / "engine"
     out.mkdir()
