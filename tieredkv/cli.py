@@ -457,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tieredkv.lifecycle import signals_exit
+    from tieredkv.lifecycle import received_exit, signals_exit
 
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -474,6 +474,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception:
+        if (code := received_exit()) is not None:  # a SIGTERM that landed inside an import's C code
+            print("terminated", file=sys.stderr)
+            return code
+        raise
 
 
 if __name__ == "__main__":
