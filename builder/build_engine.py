@@ -50,6 +50,7 @@ if __package__ in (None, ""):  # run as a script from a checkout: import the ins
 
 from tieredkv.plugins.codec import DEFAULT_CODEC  # noqa: E402
 from tieredkv.errors import EngineBuildError, TieredKVError, short  # noqa: E402
+from tieredkv.builder.polygraphy_kit import KIT_DIR, TRTEXEC_FILE  # noqa: E402
 from tieredkv.runtime.engine import (  # noqa: E402
     CONFIG_FILE,
     ENGINE_FORMAT,
@@ -61,7 +62,7 @@ from tieredkv.runtime.engine import (  # noqa: E402
 EXIT_VERIFY, EXIT_INPUT = 1, 2
 TOKENIZER_DIR = "tokenizer"
 #: what an engine directory holds (anything else in one is the user's)
-ENGINE_FILES = {CONFIG_FILE, STEP_GRAPH, f"{STEP_GRAPH}.data", TRT_ENGINE, TOKENIZER_DIR}
+ENGINE_FILES = {CONFIG_FILE, STEP_GRAPH, f"{STEP_GRAPH}.data", TRT_ENGINE, TOKENIZER_DIR, KIT_DIR, TRTEXEC_FILE}
 #: the random verification batches: (tokens per sequence with the new ones, new tokens), awkward on purpose
 VERIFY_STEPS = (((45, 17, 3), 1), ((21, 9), 3))
 
@@ -182,34 +183,24 @@ def _layers_progress(total: int):
     return wrap
 
 
-def verify(model, path: Path, *, options, tolerance: float) -> dict:
-    """Run the graph at ``path`` in ONNX Runtime and the reference model on the same random
-    inputs (:data:`VERIFY_STEPS`: a decode step and a prefill step); returns the max abs
-    error per output; raises VerificationError over ``tolerance`` on the logits or when a
-    page selection differs."""
-    import numpy as np
+def verify(model, path: Path, kit: Path, *, options, tolerance: float) -> dict:
+    """Draw the verification steps (:data:`VERIFY_STEPS`: a decode step and a prefill step),
+    compute the PyTorch reference's outputs, write both as the engine's polygraphy kit into
+    ``kit`` and compare ONNX Runtime running the graph at ``path`` against them with
+    polygraphy's comparator; returns the max abs error per output; raises VerificationError
+    when an output is over its tolerance (``tolerance``; the page selection exactly) or not finite."""
     import torch
 
-    from tieredkv.builder.export import random_step_inputs, reference_step, run_onnx
+    from tieredkv.builder.polygraphy_kit import compare_onnxruntime, make_steps, reference_results, write_kit
 
-    errors: dict[str, float] = {}
-    for seed, (seq_lens, new_tokens) in enumerate(VERIFY_STEPS):
-        feeds = random_step_inputs(model, page_size=options.page_size, seq_lens=list(seq_lens), new_tokens=new_tokens,
-                                   tiered_kv=options.tiered_kv, seed=seed, model_kv=True, warm_codec=options.warm_codec)
-        got = run_onnx(path, feeds, threads=torch.get_num_threads())
-        want = reference_step(model, feeds, tiered_kv=options.tiered_kv, selection_weights=options.selection_weights,
-                              warm_codec=options.warm_codec)
-        for name in want:
-            err = float(np.abs(got[name].astype(np.float64) - want[name].astype(np.float64)).max())
-            errors[name] = max(errors.get(name, 0.0), err)
-    if not np.isfinite(errors["logits"]) or errors["logits"] > tolerance:
-        raise VerificationError(
-            f"ONNX Runtime logits differ from the PyTorch reference by {errors['logits']:.3g} "
-            f"(tolerance {tolerance:g}); the engine was not written")
-    if errors.get("page_selected", 0) != 0:
-        raise VerificationError("ONNX Runtime selects other pages than the PyTorch reference; the engine was not "
-                                "written")
-    return errors
+    feeds = make_steps(model, options, VERIFY_STEPS)
+    golden = reference_results(model, feeds, options)
+    write_kit(kit, feeds, golden)
+    result = compare_onnxruntime(path, feeds, golden, tolerance=tolerance, threads=torch.get_num_threads())
+    if not result.passed:
+        raise VerificationError("ONNX Runtime's outputs differ from the PyTorch reference (polygraphy): "
+                                + "; ".join(result.failures) + "; the engine was not written")
+    return result.errors
 
 
 def build(args: argparse.Namespace) -> Path:
@@ -229,6 +220,7 @@ def build(args: argparse.Namespace) -> Path:
 
     from tieredkv import __version__
     from tieredkv.builder.export import StepGraphOptions, build_step_graph, initializer_bytes, save_step_graph
+    from tieredkv.builder.polygraphy_kit import polygraphy_command, trtexec_script
     from tieredkv.models.loading import load_checkpoint
     from tieredkv.plugins.onnx_ops import (DOMAIN, IMPORTANCE_SCORE, KV_APPEND, OPSET, PLUGIN_NAMESPACE,
                                            PLUGIN_VERSION, TIERED_ATTENTION)
@@ -273,7 +265,7 @@ def build(args: argparse.Namespace) -> Path:
         log("[5/6] verifying in ONNX Runtime against the PyTorch reference: "
             + "; ".join(f"batch {len(lens)} x {t} new token(s), tokens {list(lens)}" for lens, t in VERIFY_STEPS)
             + f" (K/V of random prompts on shuffled pages{', random residency, T0 and budgets' if options.tiered_kv else ''})")
-        errors = verify(model, tmp / STEP_GRAPH, options=options, tolerance=args.tolerance)
+        errors = verify(model, tmp / STEP_GRAPH, tmp / KIT_DIR, options=options, tolerance=args.tolerance)
         log(f"      max |logits error| = {errors['logits']:.3g} (tolerance {args.tolerance:g}); "
             + ", ".join(f"{k} {v:.3g}" for k, v in errors.items() if k != "logits"))
         plan, trt_note = build_tensorrt_if_available(tmp / STEP_GRAPH, tmp / TRT_ENGINE, args, config,
@@ -311,6 +303,19 @@ def build(args: argparse.Namespace) -> Path:
                       "onnx_version": onnx.__version__, "torch_version": torch.__version__},
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
+        outputs = StepOutputs.names(n, tiered_kv=options.tiered_kv)
+        profiles = engine_config["build"]["profiles"]
+        engine_config["debug"] = {  # run from inside the engine directory (docs/engine.md)
+            "polygraphy_onnxrt": polygraphy_command(".", tolerance=args.tolerance, outputs=outputs),
+            "polygraphy_trt": polygraphy_command(".", tolerance=args.tolerance, outputs=outputs, runner="--trt",
+                                                 graph=TRT_ENGINE, plugin_library="PLUGIN_LIBRARY",
+                                                 profile=len(profiles) - 1),
+            "trtexec": f"./{TRTEXEC_FILE} PLUGIN_LIBRARY",
+        }
+        script = tmp / TRTEXEC_FILE
+        script.write_text(trtexec_script(profiles, onnx=STEP_GRAPH, plan=TRT_ENGINE, precision=args.precision,
+                                         tolerance=args.tolerance, outputs=outputs))
+        script.chmod(0o777 & ~umask)
         (tmp / CONFIG_FILE).write_text(json.dumps(engine_config, indent=2) + "\n")
         _publish(tmp, output)
     except BaseException:

@@ -301,7 +301,7 @@ def test_cli_builds_engine_dir_replacing_with_force(tiny_gguf, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     assert "max |logits error|" in proc.stderr and "TensorRT" in proc.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "step.onnx", "tokenizer"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "polygraphy", "step.onnx", "tokenizer", "trtexec.sh"]
     assert [p.name for p in out.parent.iterdir()] == ["tiny"]  # no temporary siblings left
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["tiered_kv"] is True and cfg["opset"] == OPSET

@@ -65,3 +65,20 @@ def test_onnxruntime_greedy_equals_torch(smollm, engine, prompts, kv):
         for field in ("misses", "masked", "streamed_pages", "evicted_pages", "resident_bytes_max", "warm_reads"):
             ours, ref = getattr(m, field), getattr(metrics["torch"], field)
             assert abs(ours - ref) <= max(1, 0.005 * ref), (field, ours, ref)
+
+
+def test_polygraphy_compares_the_smollm2_engine_with_its_goldens(engine):
+    """The documented polygraphy command (config.json's debug.polygraphy_onnxrt, run in the
+    engine directory) passes on the freshly built SmolLM2 engine: ONNX Runtime against the
+    PyTorch reference's outputs for the kit's decode and prefill steps (warm pool included)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = engine.engine.path
+    command = json.loads((path / "config.json").read_text())["debug"]["polygraphy_onnxrt"].split()
+    proc = subprocess.run([str(Path(sys.executable).with_name("polygraphy")), *command[1:]], cwd=path,
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "vs. pytorch-reference | Passed: 2/2 iterations" in out, out[-3000:]
