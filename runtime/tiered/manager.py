@@ -264,6 +264,17 @@ class TierManager:
                 pages[-1] = self._copy_record(pages[-1])  # copy on write: the page will be written
             t.tokens[pages[-1]] = t.seq_len[seq] - (len(pages) - 1) * self.P
         t.update_t0(self.config.window.sink_tokens, self.config.window.recent_tokens)
+        if seq in t.paused:
+            return
+        # the recent window moved back onto earlier pages, which may have left the device (or be warm)
+        try:
+            self._pin_hot(seq)
+        except KVCacheFullError:
+            self.pause(seq)  # consistent state: a paused sequence pins no hot window
+            raise KVCacheFullError(f"sequence {seq} was truncated to {length} tokens, but the device budget "
+                                   f"({self.resident_cap} resident pages per layer) cannot take its new hot window: "
+                                   "every resident page is pinned; the sequence is paused (resume it when others "
+                                   "finish)") from None
 
     def _copy_record(self, rec: int) -> int:
         """A private copy of shared record ``rec`` (statistics, summaries and K/V in every layer,
