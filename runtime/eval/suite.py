@@ -16,7 +16,8 @@ Methods (:class:`MethodSpec`, parsed from strings by :func:`parse_method`):
 * ``tiered:SETTING=VALUE,...`` — tieredkv's tiered cache with those
   :class:`~tieredkv.runtime.tiered.config.TieredKVConfig` settings (flat names, e.g.
   ``tiered:mode=exact,warm_codec=int4,kv_dtype=float16``), at each budget as
-  ``device_budget``; ``name=...`` names the row, ``device_budget=25%`` pins one budget;
+  ``device_budget``; ``name=...`` names the row, ``device_budget=25%`` pins one budget,
+  ``attention_budget=2x`` attends twice the device budget's pages (the others streamed);
 * ``BACKEND:ARGS`` — any other backend the caller registers (``tools/eval_suite.py``
   registers ``kvpress:PRESS``).
 
@@ -152,10 +153,24 @@ def tiered_spec(settings: str, *, spec: str = "") -> MethodSpec:
         if not b.endswith("%"):
             raise ConfigError(f"method {spec!r}: device_budget must be a percentage here (e.g. 25%), got {b!r}")
         budgets = (float(b[:-1]) / 100,)
-    TieredKVConfig(device_budget="50%", **kv)  # fail now on a bad setting, not after hours of other cells
+    factor = None  # attention_budget=2x: twice the device budget (a share of the full cache, at most all of it)
+    if isinstance(kv.get("attention_budget"), str) and kv["attention_budget"].lower().endswith("x"):
+        try:
+            factor = float(kv.pop("attention_budget")[:-1])
+        except ValueError:
+            factor = 0.0
+        if not factor > 0:
+            raise ConfigError(f"method {spec or settings!r}: attention_budget=<F>x takes a positive factor of the "
+                              "device budget (e.g. 2x)")
+
+    def resolved(budget: float) -> dict[str, Any]:
+        extra = {} if factor is None else {"attention_budget": f"{min(100.0, 100 * budget * factor):g}%"}
+        return {**kv, **extra}
+
+    TieredKVConfig(device_budget="50%", **resolved(0.5))  # fail now on a bad setting, not after hours of other cells
 
     def factory(model: Llama, budget: float) -> EvalMethod:
-        config = TieredKVConfig(device_budget=f"{100 * budget:g}%", **kv)
+        config = TieredKVConfig(device_budget=f"{100 * budget:g}%", **resolved(budget))
         # keep_decoded_warm: the CPU evaluation aid of the warm pool (each page decoded once; same numerics)
         return tiered_method(model, config, name=name, keep_decoded_warm=True)
 

@@ -224,6 +224,12 @@ def test_parse_method():
         S.parse_method("tiered:device_budget=1GB")
     with pytest.raises(ConfigError, match="unknown method"):
         S.parse_method("kvpress:snapkv")  # no kvpress backend registered here
+    wide = S.parse_method("tiered:name=att2x,attention_budget=2x")  # twice the device budget, at most all
+    model = tiny_model()
+    assert [wide.factory(model, b).info["attention_budget"] for b in (0.25, 0.125, 0.75)] == ["50%", "25%", "100%"]
+    for bad in ("0x", "-1x", "twox"):
+        with pytest.raises(ConfigError, match="positive factor"):
+            S.parse_method(f"tiered:attention_budget={bad}")
     with pytest.raises(ConfigError, match="distinct"):
         S.plan([full, S.parse_method("full")], [S.SuiteText("a", "x", "g", "user")], S.SuiteConfig(texts=("a",)))
 
