@@ -220,7 +220,7 @@ def build(args: argparse.Namespace) -> Path:
 
     from tieredkv import __version__
     from tieredkv.builder.export import StepGraphOptions, build_step_graph, initializer_bytes, save_step_graph
-    from tieredkv.builder.polygraphy_kit import polygraphy_command, trtexec_script
+    from tieredkv.builder.polygraphy_kit import plan_check_command, polygraphy_command, trtexec_script
     from tieredkv.models.loading import load_checkpoint
     from tieredkv.plugins.onnx_ops import (DOMAIN, IMPORTANCE_SCORE, KV_APPEND, OPSET, PLUGIN_NAMESPACE,
                                            PLUGIN_VERSION, TIERED_ATTENTION)
@@ -307,9 +307,8 @@ def build(args: argparse.Namespace) -> Path:
         profiles = engine_config["build"]["profiles"]
         engine_config["debug"] = {  # run from inside the engine directory (docs/engine.md)
             "polygraphy_onnxrt": polygraphy_command(".", tolerance=args.tolerance, outputs=outputs),
-            "polygraphy_trt": polygraphy_command(".", tolerance=args.tolerance, outputs=outputs, runner="--trt",
-                                                 graph=TRT_ENGINE, plugin_library="PLUGIN_LIBRARY",
-                                                 profile=len(profiles) - 1),
+            "polygraphy_trt": plan_check_command(plan=TRT_ENGINE, tolerance=args.tolerance, outputs=outputs,
+                                                 profiles=profiles),
             "trtexec": f"./{TRTEXEC_FILE} PLUGIN_LIBRARY",
         }
         script = tmp / TRTEXEC_FILE

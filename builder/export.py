@@ -62,7 +62,7 @@ from tieredkv.plugins.select_pages import select_pages
 from tieredkv.runtime.tiered.engine_io import StepFeeds, StepOutputs
 
 __all__ = ["StepGraphOptions", "PoolStep", "PROTOBUF_LIMIT", "build_step_graph", "initializer_bytes",
-           "random_step_inputs", "reference_step", "run_onnx",
+           "random_step_inputs", "reference_step", "run_onnx", "onnx_session",
            "save_step_graph", "PAD_INDEX", "RELEVANCE_ONLY"]
 
 _F32, _I64, _BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
@@ -509,6 +509,16 @@ def _write_prompt_kv(model: Llama, prompt: torch.Tensor, logical_slot: np.ndarra
         feeds.v_pool[layer][pool_page, :, offset] = v[0, :, :n].transpose(0, 1).float().numpy()
 
 
+def onnx_session(path: str | Path, *, threads: int = 1):
+    """An ONNX Runtime CPU session for the graph at ``path`` (``threads`` intra-op threads)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
 def run_onnx(path_or_session, feeds: dict[str, np.ndarray], *, threads: int = 1) -> dict[str, np.ndarray]:
     """Run the graph in ONNX Runtime CPU (a path, or an existing InferenceSession); returns
     every output by name."""
@@ -516,9 +526,6 @@ def run_onnx(path_or_session, feeds: dict[str, np.ndarray], *, threads: int = 1)
 
     sess = path_or_session
     if not isinstance(sess, ort.InferenceSession):
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        sess = ort.InferenceSession(str(path_or_session), opts, providers=["CPUExecutionProvider"])
+        sess = onnx_session(path_or_session, threads=threads)
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, feeds)))

@@ -105,15 +105,6 @@ class Comparison:
         return not self.failures
 
 
-def _session(path: Path, threads: int):
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-
-
 def compare_onnxruntime(path: Path, feeds: list[dict[str, np.ndarray]], golden, *, tolerance: float,
                         threads: int = 1) -> Comparison:
     """Run the graph at ``path`` in ONNX Runtime (CPU) through polygraphy's runner on
@@ -124,11 +115,13 @@ def compare_onnxruntime(path: Path, feeds: list[dict[str, np.ndarray]], golden, 
     from polygraphy.comparator import Comparator
     from polygraphy.logger import G_LOGGER
 
+    from tieredkv.builder.export import onnx_session
+
     # SimpleCompareFunc from polygraphy 0.53 on; CompareFunc.simple (deprecated there) before
     simple = getattr(comparator, "SimpleCompareFunc", None) or comparator.CompareFunc.simple
 
     with G_LOGGER.verbosity(G_LOGGER.ERROR), np.errstate(all="ignore"):  # relative errors of 0/0
-        runner = OnnxrtRunner(lambda: _session(path, threads), name="onnxruntime")
+        runner = OnnxrtRunner(lambda: onnx_session(path, threads=threads), name="onnxruntime")
         results = Comparator.run([runner], data_loader=feeds)
         for run in golden:
             results.append(run)
@@ -144,11 +137,12 @@ def compare_onnxruntime(path: Path, feeds: list[dict[str, np.ndarray]], golden, 
         for step, per_output in enumerate(iterations):
             for name, result in per_output.items():
                 if isinstance(result, bool):  # a shape or dtype mismatch: polygraphy has no error figure
-                    errors[name] = float("inf") if not result else errors[name]
                     if not result:
+                        errors[name] = float("inf")
                         failures.append(f"{name}: shapes or types differ in step {step}")
                     continue
                 err = float(result.max_absdiff)
+                # max() would drop a NaN: a non-finite error is kept as it is
                 errors[name] = err if not np.isfinite(err) else max(errors[name], err)
                 if not bool(result):
                     failures.append(f"{name} by {err:.3g} in step {step} (tolerance {atol[name]:g})")
@@ -234,13 +228,20 @@ exec {command} "$@"
 """
 
 
+def plan_check_command(*, plan: str, tolerance: float, outputs, profiles) -> str:
+    """The polygraphy command (run in the engine directory) that compares the TensorRT plan
+    ``plan`` with the kit's goldens, in the last profile (*prefill*: T from 1 up, so the decode
+    step fits it too)."""
+    return polygraphy_command(".", tolerance=tolerance, outputs=outputs, runner="--trt", graph=plan,
+                              plugin_library="PLUGIN_LIBRARY", profile=len(profiles) - 1)
+
+
 def trtexec_script(profiles: dict[str, dict[str, list[list[int]]]], *, onnx: str, plan: str, precision: str,
                    tolerance: float, outputs) -> str:
     """``trtexec.sh`` of an engine directory: :func:`trtexec_args` with the plugin library
     given as its first argument, and the polygraphy command that checks the plan."""
     args = trtexec_args(profiles, onnx=onnx, plugin_library="$PLUGINS", save_engine=plan, precision=precision)
     command = " ".join(f'"{a}"' if "$PLUGINS" in a else shlex.quote(a) for a in args)
-    profile = len(profiles) - 1  # the prefill profile: T from 1 up, so decode steps fit it too
-    check = polygraphy_command(".", tolerance=tolerance, outputs=outputs, runner="--trt", graph=plan,
-                               plugin_library="PLUGIN_LIBRARY", profile=profile)
-    return TRTEXEC_SCRIPT.format(plan=plan, script=TRTEXEC_FILE, profile=profile, check=check, command=command)
+    check = plan_check_command(plan=plan, tolerance=tolerance, outputs=outputs, profiles=profiles)
+    return TRTEXEC_SCRIPT.format(plan=plan, script=TRTEXEC_FILE, profile=len(profiles) - 1, check=check,
+                                 command=command)

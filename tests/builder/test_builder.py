@@ -28,6 +28,7 @@ from tieredkv.builder.export import (  # noqa: E402
     build_step_graph,
     random_step_inputs,
     reference_step,
+    onnx_session,
     run_onnx,
     save_step_graph,
 )
@@ -45,10 +46,7 @@ MIXED = (0.5, 0.3, 0.2)
 
 
 def session(path: Path) -> ort.InferenceSession:
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 1
-    opts.inter_op_num_threads = 1
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    return onnx_session(path, threads=1)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ pytest.importorskip("polygraphy")
 
 from helpers import tiny_model, write_gguf  # noqa: E402
 from tieredkv.builder import build_engine  # noqa: E402
+from tieredkv.builder.export import onnx_session  # noqa: E402
 from tieredkv.builder.polygraphy_kit import (  # noqa: E402
     GOLDEN_FILE,
     INPUTS_FILE,
@@ -64,8 +65,7 @@ def test_kit_holds_valid_decode_and_prefill_steps_with_warm_pools(engine):
     assert sorted(p.name for p in kit.iterdir()) == sorted([GOLDEN_FILE, INPUTS_FILE, LOADER_FILE])
     feeds, golden = load_kit(engine)
     assert [f["input_ids"].shape[1] for f in feeds] == [1, 3]  # a decode step and a prefill step
-    sess_inputs = {i.name: i for i in __import__("onnxruntime").InferenceSession(
-        str(engine / "step.onnx"), providers=["CPUExecutionProvider"]).get_inputs()}
+    sess_inputs = {i.name: i for i in onnx_session(engine / "step.onnx").get_inputs()}
     for f in feeds:
         assert set(f) == set(sess_inputs)  # every graph input, nothing else
         assert "warm_pool_0" in f and f["page_warm_row"].max() >= 0  # some pages are read from the warm pool
