@@ -85,6 +85,13 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
                    help="share of the device budget beyond T0 that holds compressed pages (default 0.75)")
     g.add_argument("--kv-dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="dtype the tiered cache stores pages in (default: the model's)")
+    g.add_argument("--prefetch", default=None, metavar="PREDICTOR",
+                   help="prefetch predicted pages after every decode step: last, vote, recency, quest-next-layer, "
+                        "gru (docs/prefetch.md)")
+    g.add_argument("--prefetch-distance", default=None, type=lambda v: v if v == "auto" else int(v),
+                   help="decode steps ahead to predict: 'auto' (2-5, default) or a number")
+    g.add_argument("--access-log", default=None, metavar="DIR",
+                   help="write every sequence's access log (pages selected, attention mass, tiers) to DIR")
     g.add_argument("--kv-config", default=None, help="TieredKVConfig as TOML or YAML; flags override its values")
     g.add_argument("--stats", action="store_true", help="print the tier metrics (and include them in --json)")
 

@@ -41,6 +41,8 @@ from tieredkv.runtime.tiered.manager import TierManager
 from tieredkv.runtime.tiered.step import SeqStep, StepPlan
 from tieredkv.runtime.tiered.metrics import TierMetrics
 from tieredkv.runtime.tiered.policies import make_policy
+from tieredkv.runtime.tiered.prefetch import make_prefetcher
+from tieredkv.runtime.tiered.trace import AccessLogger
 from tieredkv.runtime.tiered.scorer import ImportanceScorer
 
 
@@ -73,10 +75,18 @@ class TieredKVCache(KVCache):
                               "it. Use lru, lfu, lfu-importance, h2o, streaming or full")
         self.scorer = scorer or ImportanceScorer.for_model(spec.num_layers, spec.head_dim, path=config.scorer_weights,
                                                            weights=migration.score_weights)
+        self.prefetcher = make_prefetcher(config)
         self.mgr = TierManager(num_layers=spec.num_layers, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                                dtype=spec.dtype, config=config, budgets=self.budgets, policy=policy,
-                               keep_decoded_warm=keep_decoded_warm)
+                               keep_decoded_warm=keep_decoded_warm, prefetcher=self.prefetcher)
+        if recorder is None and config.prefetch.access_log is not None:
+            recorder = AccessLogger(config.prefetch.access_log, meta={"config": repr(config.flat())})
         self.recorder = recorder
+        self.mgr.log_tiers = recorder is not None
+        #: score every layer's pages under the previous layer's query (the log's ``spec``, the
+        #: cross-layer predictor's input)
+        self._speculate = bool(getattr(recorder, "speculate", False)) or (
+            self.prefetcher is not None and self.prefetcher.predictor.lead == "layer")
         self.plan: StepPlan | None = None  # the open step's
         self._snapshot_steps = -1
         self._next_id = 0
@@ -154,12 +164,15 @@ class TieredKVCache(KVCache):
 
     def free_sequence(self, seq_id: int) -> None:
         self._snapshot()  # keep the figures of the last step
+        if isinstance(self.recorder, AccessLogger):
+            self.recorder.finish(seq_id)
         self.mgr.free_sequence(seq_id)
 
     def close(self) -> None:
         """Free every sequence left and remove the T4 file (disk_path); the metrics stay."""
         for sid in list(self.mgr.table.seq_pages):
             self.free_sequence(sid)
+        self.mgr.close()
         if self.mgr.disk is not None:
             self.mgr.disk.close()
 
@@ -210,6 +223,8 @@ class TieredKVCache(KVCache):
     def attend(self, step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.store(layer, k, v)
         decode, m = step.num_new == 1, self.mgr.metrics
+        if decode and self._speculate and layer == 0 and self.prefetcher is not None:
+            self._prefetch_layer(0, None)  # layer 0 has no previous layer: the predictor's fallback
         outs = []
         for b, seq in enumerate(self.plan.seqs):
             t_score = time.perf_counter()
@@ -225,17 +240,40 @@ class TieredKVCache(KVCache):
             m.scorer_seconds += t_select - t_score
             m.select_seconds += t_attend - t_select
             m.attention_seconds += time.perf_counter() - t_attend
+        if decode and self._speculate and layer + 1 < self.spec.num_layers:
+            self._prefetch_layer(layer + 1, q)
         return torch.cat(outs, dim=0)
+
+    def _prefetch_layer(self, layer: int, q: torch.Tensor | None) -> None:
+        """Inside a decode step: layer ``layer``'s pages scored under the previous layer's
+        query ``q`` [B, H, T, D] (the access log's ``spec``; None: unknown), then — with a
+        cross-layer predictor — prefetched before the layer selects."""
+        acc = self.mgr._access
+        if acc.spec is None:
+            acc.spec = torch.full(acc.needed.shape, float("nan"))
+        if q is not None:
+            t_start = time.perf_counter()
+            for b, seq in enumerate(self.plan.seqs):
+                acc.spec[layer, seq.rows] = importance_score(*self._score_args(layer, seq, q[b : b + 1, :, -1]),
+                                                             RELEVANCE_ONLY)[0]
+            self.mgr.metrics.predictor_seconds += time.perf_counter() - t_start
+        if self.prefetcher is not None:
+            self.prefetcher.within_step(self.mgr, acc.spec, layers=layer)
+
+    def _score_args(self, layer: int, seq: SeqStep, q: torch.Tensor) -> tuple:
+        """ImportanceScore's inputs for one sequence's pages of ``layer`` under query q [1, H, D]."""
+        kmin, kmax, saliency = self.mgr.summaries(layer, seq.rows, seq.tokens)
+        candidates = ~seq.t0 if not seq.t0.all() else seq.t0
+        return (q, kmin.unsqueeze(0), kmax.unsqueeze(0), seq.tokens.unsqueeze(0), seq.distance.unsqueeze(0),
+                saliency.unsqueeze(0), candidates.unsqueeze(0), self.scorer.position[layer])
 
     def _score(self, layer: int, seq: SeqStep, q: torch.Tensor, *, decode: bool):
         """ImportanceScore of one sequence's pages for query q [1, H, D]: (the relevance, the
         selection ranking (decode steps; None otherwise), the pages' saliency). The relevance is
         estimated among the pages that compete for the budget (T0 is attended anyway, and its
         sink pages would dominate the normalization), or among all when all are T0."""
-        kmin, kmax, saliency = self.mgr.summaries(layer, seq.rows, seq.tokens)
-        candidates = ~seq.t0 if not seq.t0.all() else seq.t0
-        args = (q, kmin.unsqueeze(0), kmax.unsqueeze(0), seq.tokens.unsqueeze(0), seq.distance.unsqueeze(0),
-                saliency.unsqueeze(0), candidates.unsqueeze(0), self.scorer.position[layer])
+        args = self._score_args(layer, seq, q)
+        saliency = args[5][0]
         if not decode:
             return importance_score(*args, RELEVANCE_ONLY)[0], None, saliency
         selection = self.config.selection
@@ -286,6 +324,6 @@ class TieredKVCache(KVCache):
         if self.recorder is not None:
             for sid in step.seq_ids:
                 self.recorder.record(self.mgr.seq_access(sid), seq=sid, num_new=step.num_new, decode=decode,
-                                     page_size=self.config.page_size)
+                                     page_size=self.config.page_size, t0=self.mgr.table.t0[self.mgr.records_of(sid)])
         self.mgr.end_step(decode=decode)
         self.plan = None

@@ -301,9 +301,52 @@ class WarmConfig(_Settings):
     fraction: float = setting(0.75, _number(0.0, 1.0, open_low=True), flat="warm_fraction")
 
 
+def _predictors() -> Mapping[str, Any]:
+    from tieredkv.runtime.tiered.prefetch import PREDICTORS
+
+    return {n: p for n, p in PREDICTORS.items() if not p.offline}
+
+
+def _distance(v: Any) -> str | int:
+    if v == "auto":
+        return v
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 16:
+        raise ValueError(f"must be 'auto' or an integer in [1, 16] (decode steps ahead), got {short(v)}")
+    return v
+
+
+def _optional_count(v: Any) -> int | None:
+    return None if v is None else _integer(0)(v)
+
+
+@dataclass(frozen=True)
+class PrefetchConfig(_Settings):
+    """Predictive prefetch (docs/prefetch.md): after every decode step the ``predictor`` (a
+    name of ``tieredkv.runtime.tiered.prefetch.PREDICTORS``; unset: no prefetch) predicts
+    the pages of the next ``distance`` steps (``"auto"``: 2-5, from the step time and the
+    transfer bandwidth of the ``gpu`` model) and at most ``max_pages`` per layer (default:
+    the attention budget's pages beyond T0) are brought onto the device. ``weights``: a
+    trained predictor file (default: the packaged one). ``access_log``: a directory where
+    every sequence's access log is written (one file per sequence)."""
+
+    table: ClassVar[str] = "prefetch"
+    predictor: str | None = setting(None, _choice(_predictors, optional=True), flat="prefetch_predictor")
+    distance: str | int = setting("auto", _distance, flat="prefetch_distance")
+    max_pages: int | None = setting(None, _optional_count, flat="prefetch_max_pages")
+    weights: str | None = setting(None, _optional_path, flat="prefetch_weights")
+    gpu: str = setting("h200", _choice(lambda: _gpus()), flat="prefetch_gpu")
+    access_log: str | None = setting(None, _optional_path, flat="access_log")
+
+
+def _gpus() -> Mapping[str, Any]:
+    from tieredkv.runtime.tiered.step_time import GPUS
+
+    return GPUS
+
+
 _SECTIONS: dict[str, type[_Settings]] = {"window": WindowConfig, "budgets": BudgetConfig,
                                          "migration": MigrationConfig, "selection": SelectionConfig,
-                                         "warm": WarmConfig}
+                                         "warm": WarmConfig, "prefetch": PrefetchConfig}
 #: flat setting name -> (section, field)
 FLAT_SETTINGS: dict[str, tuple[str, str]] = {(f.metadata.get("flat") or f.name): (name, f.name)
                                               for name, cls in _SECTIONS.items() for f in fields(cls)}
@@ -313,7 +356,8 @@ FLAT_SETTINGS: dict[str, tuple[str, str]] = {(f.metadata.get("flat") or f.name):
 class TieredKVConfig(_Settings):
     """Everything the tiered cache needs, in sections that match the tables of a config file
     (``[tiered_kv]``, ``[tiered_kv.window]``, ``[tiered_kv.budgets]``, ``[tiered_kv.migration]``,
-    ``[tiered_kv.selection]``, ``[tiered_kv.warm]``); see the module docstring for budgets.
+    ``[tiered_kv.selection]``, ``[tiered_kv.warm]``, ``[tiered_kv.prefetch]``); see the module
+    docstring for budgets.
 
     Construct it with sections, with flat setting names, or both (flat names override the
     sections they belong to)::
@@ -334,6 +378,7 @@ class TieredKVConfig(_Settings):
     migration: MigrationConfig = field(default_factory=MigrationConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     warm: WarmConfig = field(default_factory=WarmConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
 
     def __init__(self, **settings: Any) -> None:
         top = {f.name for f in fields(self) if f.name not in _SECTIONS}

@@ -49,6 +49,7 @@ Invariants (the property tests check them after every step):
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -58,9 +59,9 @@ from tieredkv.errors import KVCacheFullError
 from tieredkv.plugins.kv_append import kv_append
 from tieredkv.runtime.tiered.config import ResolvedBudgets, TieredKVConfig
 from tieredkv.runtime.tiered.metrics import TierMetrics
-from tieredkv.runtime.tiered.page_table import PageTable, PageTableState
+from tieredkv.runtime.tiered.page_table import HIST_MASK, PageTable, PageTableState
 from tieredkv.runtime.tiered.policies import PageStats, ReplacementPolicy
-from tieredkv.runtime.tiered.step import SeqStep, StepAccess, StepPlan
+from tieredkv.runtime.tiered.step import TIER_CODES, SeqStep, StepAccess, StepPlan
 from tieredkv.runtime.tiered.store import DiskPool, TierPool, WarmPool, _rank_within_groups
 
 INF = float("inf")
@@ -80,12 +81,13 @@ class TierManager:
     trace replay, whose pages carry one value, counts the real pages'). ``next_use(table)``:
     the step of each (layer, record)'s next access, [L, R] (Belady's oracle replays a recorded
     trace). ``keep_decoded_warm``: the warm pool keeps decoded copies (a CPU evaluation aid,
-    ``WarmPool``)."""
+    ``WarmPool``). ``prefetcher``: called after every decode step (``between_steps(manager)``)
+    to bring predicted pages in (``tieredkv.runtime.tiered.prefetch``)."""
 
     def __init__(self, *, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  config: TieredKVConfig, budgets: ResolvedBudgets, policy: ReplacementPolicy,
                  page_bytes: int | None = None, next_use: Callable[[PageTable], torch.Tensor] | None = None,
-                 keep_decoded_warm: bool = False) -> None:
+                 keep_decoded_warm: bool = False, prefetcher=None) -> None:
         self.L, self.P = num_layers, config.page_size
         self.config, self.budgets, self.policy = config, budgets, policy
         self.kv_heads, self.head_dim = kv_heads, head_dim
@@ -104,6 +106,10 @@ class TierManager:
         self.staging_pages = 0 if unlimited else budgets.staging_pages
         self.page_bytes = self.device.page_bytes if page_bytes is None else page_bytes
         self.next_use = next_use
+        self.prefetcher = prefetcher
+        self.log_tiers = False  # record each step's tier at its start (the access log)
+        self._reader: ThreadPoolExecutor | None = None  # disk (T4) -> host reads ahead of use
+        self._pending: list = []  # (layers, host slots, future of the pages' data) not yet written
         self.metrics = TierMetrics()
         self.step_no = 0  # decode steps so far (the clock of recency statistics)
         self.table = PageTable(num_layers, kv_heads, head_dim, self.P)
@@ -159,6 +165,8 @@ class TierManager:
         """Records nobody holds any more give back every slot of every tier."""
         if len(freed) == 0:
             return
+        self._settle()
+        self._unprefetch(slice(None), freed)
         for pool, slots in self._pools():
             if pool is None:
                 continue
@@ -186,6 +194,7 @@ class TierManager:
 
     def _drop_copies(self, recs: torch.Tensor) -> None:
         """Pages about to change give up their copies in the warm, host and disk tiers."""
+        self._settle()
         layers = torch.arange(self.L).repeat_interleave(len(recs))
         self.metrics.warm_drops += self._drop_warm(layers, recs.repeat(self.L))
         for pool, slots in self._pools()[2:]:  # host, disk
@@ -350,6 +359,8 @@ class TierManager:
                 self.admit(layers, recs[cols])
                 self._drop_copies(recs)  # their copies off the device are stale once written
         self._access = StepAccess.empty(self.L, t.capacity)
+        if self.log_tiers:
+            self._access.tier = self.tiers()
         self.metrics.manager_seconds += time.perf_counter() - t_start
         return self._plan(seqs, num_new)
 
@@ -397,10 +408,10 @@ class TierManager:
     def attended(self, layer: int | slice, seq: SeqStep, selected: torch.Tensor, *, decode: bool) -> torch.Tensor:
         """The selected pages the step attends: every one in exact mode and in prefill (the
         non-resident ones streamed through the staging area); in masked mode's decode steps the
-        resident ones only (the others are counted as masked)."""
+        resident ones and those the prefetcher staged only (the others are counted as masked)."""
         if not decode or self.config.selection.mode == "exact":
             return selected
-        return selected & self.resident(layer, seq.rows)
+        return selected & (self.resident(layer, seq.rows) | self.table.staged[layer, seq.rows])
 
     def read_pages(self, layers: int | torch.Tensor, recs: torch.Tensor, dtype: torch.dtype, *,
                    exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -409,6 +420,8 @@ class TierManager:
         instead), else the host or disk copy. Counts nothing: :meth:`record_access` and
         :meth:`admit` account what a step reads and fetches."""
         t = self.table
+        if self._pending:
+            self._settle()
         if isinstance(layers, int):
             dslot = t.device_slot[layers].index_select(0, recs)
             if bool((dslot >= 0).all()):  # the common case: a view of the pool, one gather
@@ -446,10 +459,11 @@ class TierManager:
         collects from each: flags or-ed, masses summed, the highest importance kept."""
         acc, t, m, rows = self._access, self.table, self.metrics, seq.rows
         resident = self.resident(layer, rows)
+        staged = t.staged[layer, rows]  # on the device already: copied ahead by the prefetcher
         if decode:
             need = selected & ~seq.t0
             acc.needed[layer, rows] |= need
-            acc.missing[layer, rows] |= need & ~resident
+            acc.missing[layer, rows] |= need & ~resident & ~staged
             m.masked += int((selected & ~attended).sum())
         acc.streamed[layer, rows] |= attended & ~resident
         acc.mass[layer, rows] += mass
@@ -458,7 +472,7 @@ class TierManager:
         acc.scored[layer, rows] = True
         off = attended & (t.device_slot[layer, rows] < 0)
         warm = off & (t.warm_slot[layer, rows] >= 0)
-        streamed = off & ~warm
+        streamed = off & ~warm & ~staged
         m.warm_reads += int(warm.sum())
         per_layer = streamed.sum(-1)
         m.streamed_pages += int(per_layer.sum())
@@ -467,9 +481,16 @@ class TierManager:
 
     def seq_access(self, seq: int) -> StepAccess:
         """The open step's access record of one sequence's pages: [L, M] columns."""
-        recs = self.records_of(seq)
-        acc = self._access
-        return StepAccess(*(getattr(acc, f)[:, recs] for f in StepAccess.__dataclass_fields__))
+        return self._access.columns(self.records_of(seq))
+
+    def tiers(self) -> torch.Tensor:
+        """[L, R] int8: the tier holding each page now (``step.TIER_CODES``; dead records: disk)."""
+        t = self.table
+        tier = torch.full(t.device_slot.shape, TIER_CODES["disk"], dtype=torch.int8)
+        tier[t.host_slot >= 0] = TIER_CODES["host"]
+        tier[t.warm_slot >= 0] = TIER_CODES["warm"]
+        tier[t.device_slot >= 0] = TIER_CODES["device"]
+        return tier
 
     def _count_h2d(self, pages: int, from_disk: int) -> None:
         """Account ``pages`` pages copied host -> device, ``from_disk`` of them read from the disk tier."""
@@ -508,11 +529,15 @@ class TierManager:
         self.metrics.bytes_disk_write += len(recs) * self.page_bytes
 
     def _drop_host_copies(self, cand: torch.Tensor, prio: torch.Tensor, short: torch.Tensor, *, spill: bool):
+        self._settle()
         t = self.table
         layers, recs = self._lowest(cand, prio, short)
         if len(recs):
-            if spill:
-                self._spill(layers, recs, *self.host.read(layers, t.host_slot[layers, recs]))
+            if spill:  # a page read ahead from disk still has its disk copy: nothing to write
+                new = t.disk_slot[layers, recs] < 0
+                sl, sr = layers[new], recs[new]
+                if len(sr):
+                    self._spill(sl, sr, *self.host.read(sl, t.host_slot[sl, sr]))
             self.host.release(layers, t.host_slot[layers, recs])
             t.host_slot[layers, recs] = -1
         got = torch.bincount(layers, minlength=self.L)
@@ -524,6 +549,7 @@ class TierManager:
         if len(recs) == 0:
             return
         t = self.table
+        self._unprefetch(layers, recs)
         self._write_back(layers, recs)
         self.device.release(layers, t.device_slot[layers, recs])
         t.device_slot[layers, recs] = -1
@@ -581,6 +607,7 @@ class TierManager:
         layers, recs = layers[fits], recs[fits]
         if len(recs) == 0:
             return
+        self._unprefetch(layers, recs)
         k, v = self.device.read(layers, t.device_slot[layers, recs])
         slots = self.warm.alloc(layers, recs)
         self.warm.write(layers, slots, k, v)
@@ -608,6 +635,95 @@ class TierManager:
         self.device.write(layers, slots, k, v)
         t.device_slot[layers, recs] = slots
         self.metrics.fetched_pages += len(recs)
+
+    def _unprefetch(self, layers, recs) -> None:
+        """Pages leaving the device (or freed) that the prefetcher brought in and no step used:
+        wasted prefetch."""
+        t = self.table
+        wasted = t.prefetched[layers, recs] | t.staged[layers, recs]
+        self.metrics.prefetch_wasted += int(wasted.sum())
+        t.prefetched[layers, recs] = False
+        t.staged[layers, recs] = False
+
+    def prefetch(self, scores: torch.Tensor, max_pages: int, *, layer_ahead: bool = False) -> int:
+        """Bring predicted pages onto the device ahead of the steps that need them: ``scores``
+        [L, R] (> 0: predicted; higher first). Per layer at most ``max_pages`` non-resident
+        predicted pages are admitted (exact copies from the host or disk), into free slots or
+        in place of resident pages that are neither T0 nor predicted (the policy's victims). A
+        prefetch never changes what a step attends in exact mode: a page the predictor missed
+        is still fetched before use. ``layer_ahead``: issued inside a step for a later layer
+        (counted apart: its copy overlaps one layer's compute, not a step's). Returns the pages
+        admitted."""
+        t, m = self.table, self.metrics
+        predicted = (scores > 0) & t.alive.unsqueeze(0)
+        want = predicted & (t.device_slot < 0) & (t.warm_slot < 0) & ~t.staged
+        if max_pages <= 0 or not want.any():
+            return 0
+        counts = want.sum(1).clamp(max=max_pages)
+        room = counts if self.resident_cap is None else self._make_room(counts, protect=predicted)
+        layers, recs = self._highest(want, scores, room)
+        if len(recs):
+            self.admit(layers, recs)
+            t.prefetched[layers, recs] = True
+            want[layers, recs] = False
+        n = len(recs)
+        # the rest, up to the budget: into the staging area, for the next step only
+        stage = (counts - room).clamp(min=0).clamp(max=self.staging_pages) - t.staged.sum(1)
+        if bool((stage > 0).any()):
+            s_layers, s_recs = self._highest(want, scores, stage.clamp(min=0))
+            t.staged[s_layers, s_recs] = True
+            self._count_h2d(len(s_recs), int((t.host_slot[s_layers, s_recs] < 0).sum()))
+            n += len(s_recs)
+        m.prefetched_pages += n
+        m.bytes_prefetch += n * self.page_bytes
+        if layer_ahead:
+            m.prefetch_layer_ahead_pages += n
+        if self.disk is not None:  # the rest of the predicted pages that live on disk: to the host, asynchronously
+            rest = want & ~t.staged & (t.host_slot < 0) & (t.disk_slot >= 0)
+            if rest.any():
+                self._read_ahead(*self._highest(rest, scores, torch.full((self.L,), max_pages)))
+        return n
+
+    def _read_ahead(self, layers: torch.Tensor, recs: torch.Tensor) -> int:
+        """Disk (T4) -> host copies of pages predicted further ahead, read on a worker thread
+        while the steps compute (the CPU backend's asynchronous copy path: host and "device"
+        are the same memory here, the disk is not). Only into free host slots or those of host
+        copies of resident pages (no bytes move); every reader of host or disk pages waits for
+        them first (:meth:`_settle`)."""
+        t = self.table
+        if self.host.max_capacity is not None:  # room: host copies of resident pages go first (no bytes move)
+            short = (torch.bincount(layers, minlength=self.L) - self.host.free()).clamp(min=0)
+            if short.any():
+                self._drop_host_copies((t.host_slot >= 0) & (t.device_slot >= 0),
+                                       self.policy.priority(self._stats()), short, spill=False)
+            rank, _ = _rank_within_groups(layers, self.L)
+            keep = rank < self.host.free()[layers]
+            layers, recs = layers[keep], recs[keep]
+        if len(recs) == 0:
+            return 0
+        slots = self.host.alloc(layers, recs)
+        t.host_slot[layers, recs] = slots
+        mm, rows, cols = self.disk.mm, t.disk_slot[layers, recs].numpy().copy(), layers.numpy().copy()
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredkv-t4-read")
+        self._pending.append((layers, slots, self._reader.submit(lambda: mm[rows, cols])))
+        self.metrics.disk_read_ahead_pages += len(recs)
+        self.metrics.bytes_disk_read += len(recs) * self.page_bytes
+        return len(recs)
+
+    def _settle(self) -> None:
+        """Write the pages read ahead from disk into their host slots (waits for the reads)."""
+        pending, self._pending = self._pending, []
+        for layers, slots, fut in pending:
+            data = fut.result()  # [N, 2, KVH, P, D]
+            self.host.write(layers, slots, self.disk._to_torch(data[:, 0]), self.disk._to_torch(data[:, 1]))
+
+    def close(self) -> None:
+        """Wait for the reads in flight and stop the reader thread (no buffer or thread left)."""
+        self._settle()
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
 
     # ------------------------------------------------------------------ decisions
     def _stats(self) -> PageStats:
@@ -660,13 +776,19 @@ class TierManager:
             t.win_access += access.needed.long()
             m.hits += int((access.needed & ~access.missing).sum())
             m.misses += int(access.missing.sum())
+            used = access.needed & (t.prefetched | t.staged)  # there because the prefetcher brought them in
+            m.prefetch_hits += int(used.sum())
+            t.prefetched &= ~used
+            t.hist = ((t.hist << 1) & HIST_MASK) | access.needed.long()
         else:
             m.prefill_steps += 1
+        m.prefetch_wasted += int((t.staged & ~access.needed).sum())  # staged for this step, not used by it
         t.acc_mass += access.mass
         t.importance = torch.where(access.scored, access.importance, t.importance)
         if decode and self.step_no % self.config.migration.window_steps == 0:
             self._migrate()
-        want = access.missing & (t.device_slot < 0) & t.alive.unsqueeze(0)
+        want = (access.missing | (access.needed & t.staged)) & (t.device_slot < 0) & t.alive.unsqueeze(0)
+        t.staged.zero_()  # the staging area is the step's: what it held is adopted below or gone
         if want.any() and self.resident_cap is not None:
             room = self._make_room(want.sum(1), protect=access.needed | want)
             layers, recs = self._highest(want, t.importance, room)
@@ -674,6 +796,8 @@ class TierManager:
         elif want.any():
             layers, recs = want.nonzero(as_tuple=True)
             self.admit(layers, recs, already_streamed=access.streamed[layers, recs])
+        if decode and self.prefetcher is not None:
+            self.prefetcher.between_steps(self)
         self._record_residency()
         self._access = None
         m.manager_seconds += time.perf_counter() - t_start
@@ -798,6 +922,10 @@ class TierManager:
         assert not (warm & (t.device_slot >= 0)).any(), "a page is both full precision and warm on the device"
         assert ((t.host_slot >= 0) | (t.disk_slot >= 0))[warm].all(), "a warm page has no exact copy"
         assert ((t.device_slot >= 0) | ~(live & t.t0.unsqueeze(0))).all(), "a T0 page is not resident"
+        assert not (t.staged & ((t.device_slot >= 0) | (t.warm_slot >= 0) | ~live)).any(), \
+            "a staged page is resident or dead"
+        assert int(t.staged.sum(1).max()) <= self.staging_pages, "the staging area is over its pages"
+        assert not (t.prefetched & (t.device_slot < 0)).any(), "a pending prefetched page is not resident"
         if self.resident_cap is not None:
             assert int(self.device.used().max()) <= self.resident_cap, "device over the resident capacity"
         counts = self.tier_counts()  # every live page of every layer is in exactly one tier
@@ -813,10 +941,12 @@ class TierManager:
     # ------------------------------------------------------------------ checkpoint
     def checkpoint(self) -> ManagerState:
         """A copy of all mutable state but the metrics (which keep accumulating)."""
+        self._settle()
         pools = {pool.name: pool.snapshot() for pool, _ in self._pools() if pool is not None}
         return ManagerState(self.table.snapshot(), pools, self.step_no)
 
     def rollback(self, state: ManagerState) -> None:
+        self._settle()
         self._restored = True
         self.table.restore(state.table)
         for pool, _ in self._pools():

@@ -43,6 +43,13 @@ class TierMetrics:
     warm_promotions: int = 0  # warm pages that turned hot and were re-fetched exact (T2w -> T2)
     warm_drops: int = 0  # warm pages released under pressure (their host copy stays)
     warm_bytes_saved: int = 0  # now: bytes the warm pages would take at full precision minus what they take
+    prefetched_pages: int = 0  # pages the prefetcher admitted ahead of use (also in fetched_pages, bytes_h2d)
+    prefetch_layer_ahead_pages: int = 0  # ... of them issued inside a step for a later layer
+    prefetch_hits: int = 0  # needed pages resident because the prefetcher brought them in (first use)
+    prefetch_wasted: int = 0  # prefetched pages that left the device (or were freed) before any step used them
+    bytes_prefetch: int = 0
+    disk_read_ahead_pages: int = 0  # predicted pages read disk -> host on the worker thread, ahead of use
+    predictor_seconds: float = 0.0  # the prefetcher's predictions (its cost, paid on the host every step)
     bytes_h2d: int = 0
     bytes_d2h: int = 0
     bytes_disk_read: int = 0
@@ -62,6 +69,23 @@ class TierMetrics:
         total = self.hits + self.misses
         return self.hits / total if total else 1.0
 
+    @property
+    def prefetch_precision(self) -> float:
+        """Prefetched pages a step then needed, of all prefetched (1.0 with no prefetch)."""
+        return self.prefetch_hits / self.prefetched_pages if self.prefetched_pages else 1.0
+
+    @property
+    def prefetch_recall(self) -> float:
+        """Of the needed pages that were not resident without the prefetcher's help (its hits
+        plus the misses left), the share it brought in ahead of use."""
+        total = self.prefetch_hits + self.misses
+        return self.prefetch_hits / total if total else 0.0
+
+    def stall_bytes_per_step(self, page_bytes: int) -> float:
+        """Bytes a decode step needed that were not resident when it started (exact mode fetches
+        them on the critical path), per decode step."""
+        return self.misses * page_bytes / max(1, self.decode_steps)
+
     #: at most this many points of the resident-bytes series go into to_dict() (every k-th step)
     SERIES_POINTS = 256
 
@@ -71,6 +95,8 @@ class TierMetrics:
         SERIES_POINTS points)."""
         d = asdict(self)
         d["hit_rate"] = round(self.hit_rate, 6)
+        d["prefetch_precision"] = round(self.prefetch_precision, 6)
+        d["prefetch_recall"] = round(self.prefetch_recall, 6)
         tr = d.pop("resident_bytes_trace")
         d["resident_bytes_mean"] = int(sum(tr) / len(tr)) if tr else 0
         stride = 1 if trace else max(1, -(-len(tr) // self.SERIES_POINTS))
@@ -79,7 +105,8 @@ class TierMetrics:
         steps = max(1, self.decode_steps)
         d["scorer_ms_per_decode_step"] = round(1000 * self.scorer_seconds / steps, 4)
         d["manager_ms_per_step"] = round(1000 * self.manager_seconds / max(1, self.decode_steps + self.prefill_steps), 4)
-        for k in ("scorer_seconds", "select_seconds", "attention_seconds", "manager_seconds"):
+        d["predictor_ms_per_decode_step"] = round(1000 * self.predictor_seconds / steps, 4)
+        for k in ("scorer_seconds", "select_seconds", "attention_seconds", "manager_seconds", "predictor_seconds"):
             d[k] = round(d[k], 6)
         return d
 
@@ -110,6 +137,9 @@ class TierMetrics:
             f"warm (compressed) sub-tier: compressed {self.compressed_pages}, decoded for attention "
             f"{self.warm_reads}, promoted {self.warm_promotions}, dropped {self.warm_drops}; saving "
             f"{self.warm_bytes_saved / mib:.2f} MiB now",
+            f"prefetch: {self.prefetched_pages} pages ({self.prefetch_layer_ahead_pages} a layer ahead), hits "
+            f"{self.prefetch_hits}, wasted {self.prefetch_wasted}; precision {self.prefetch_precision:.3f}, recall "
+            f"{self.prefetch_recall:.3f}; predictor {1000 * self.predictor_seconds:.1f} ms",
             f"moved: host->device {self.bytes_h2d / mib:.2f} MiB, device->host {self.bytes_d2h / mib:.2f} MiB, "
             f"disk read {self.bytes_disk_read / mib:.2f} MiB, disk write {self.bytes_disk_write / mib:.2f} MiB",
             f"resident device bytes: max {self.resident_bytes_max / mib:.2f} MiB; page summaries "

@@ -31,6 +31,9 @@ from typing import Any, Iterator, Sequence
 import torch
 
 INF = float("inf")
+#: decode steps of access history kept per (layer, record) in ``hist`` (bit i: needed i steps ago)
+HIST_BITS = 62
+HIST_MASK = (1 << HIST_BITS) - 1
 
 
 def column(dtype: torch.dtype, fill: Any, *, per_layer: bool = True, new: Any = None, summary: bool = False) -> Any:
@@ -101,6 +104,9 @@ class PageTable:
     t1: torch.Tensor = column(torch.bool, False)  # labelled a hot key (T1)
     importance: torch.Tensor = column(torch.float32, 0.0, new=1.0)  # the latest importance score
     acc_mass: torch.Tensor = column(torch.float32, 0.0)  # accumulated attention mass (H2O's signal)
+    hist: torch.Tensor = column(torch.long, 0)  # access history: bit i = needed by the decode step i steps ago
+    prefetched: torch.Tensor = column(torch.bool, False)  # brought in by the prefetcher, not needed since
+    staged: torch.Tensor = column(torch.bool, False)  # prefetched into the staging area for the next decode step
     # key summaries the scorer reads
     kmin: torch.Tensor = column(torch.float32, INF, summary=True)
     kmax: torch.Tensor = column(torch.float32, -INF, summary=True)

@@ -21,12 +21,23 @@ class StepAccess:
     mass: torch.Tensor  # [L, R] float
     importance: torch.Tensor  # [L, R] float
     scored: torch.Tensor  # [L, R] bool: importance was computed
+    tier: torch.Tensor | None = None  # [L, R] int8: where each page was when the step began (TIER_CODES)
+    spec: torch.Tensor | None = None  # [L, R] float: relevance under the previous layer's query (NaN: none)
 
     @classmethod
     def empty(cls, num_layers: int, num_records: int) -> "StepAccess":
         flags = lambda: torch.zeros(num_layers, num_records, dtype=torch.bool)  # noqa: E731
         return cls(flags(), flags(), flags(), torch.zeros(num_layers, num_records),
                    torch.zeros(num_layers, num_records), flags())
+
+    def columns(self, rows) -> "StepAccess":
+        """The record of columns ``rows`` (e.g. one sequence's records)."""
+        return StepAccess(*(None if v is None else v[:, rows] for v in vars(self).values()))
+
+
+#: the ``tier`` codes of an access record: full precision on the device, warm (encoded) on the
+#: device, host (T3), disk (T4)
+TIER_CODES = {"device": 0, "warm": 1, "host": 2, "disk": 3}
 
 
 @dataclass(frozen=True)

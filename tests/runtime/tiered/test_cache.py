@@ -235,21 +235,25 @@ work = st.lists(st.one_of(
 @settings(max_examples=40, deadline=None)
 # a truncation moves the recent window back onto pages that had left the device: found by CI
 @example(ops=[("add", 25), ("add", 33), ("add", 41), ("truncate", 2)], policy="h2o", mode="exact", budget=48,
-         attention=None, warm="int4", host=None)
+         attention=None, warm="int4", host=None, prefetch=None)
 @given(ops=work, policy=st.sampled_from(LIVE_POLICIES), mode=st.sampled_from(["exact", "masked"]),
        budget=st.sampled_from([None, 48, 96, 240]), attention=st.sampled_from([None, 48, 10**6]),
-       warm=st.sampled_from([None, "int4", "fp8-r2"]), host=st.sampled_from([None, 12]))
-def test_property_invariants(ops, policy, mode, budget, attention, warm, host):
+       warm=st.sampled_from([None, "int4", "fp8-r2"]), host=st.sampled_from([None, 12]),
+       prefetch=st.sampled_from([None, "last", "vote", "recency", "quest-next-layer", "gru"]))
+def test_property_invariants(ops, policy, mode, budget, attention, warm, host, prefetch):
     """Random add / decode / fork / truncate / free / cancel: after every step no page is lost
     or duplicated, reference counts match the sequences sharing pages, capacities hold (the warm
     sub-tier's encoded bytes included), accounting balances (tier counts cover the live pages,
     counted moves balance the pools); freed sequences return every slot and record. ``host``: a
-    host budget of 12 pages per sequence with a T4 file."""
+    host budget of 12 pages per sequence with a T4 file. ``prefetch``: a predictor prefetches
+    after every decode step (and a layer ahead): the staging area never overflows, and every
+    prefetched page ends up used or counted as wasted (no prefetch buffer is leaked)."""
     import tempfile
 
     disk = tempfile.mkdtemp() + "/t4.bin" if host else None
     cfg = TieredKVConfig(policy=policy, mode=mode, device_budget=budget, attention_budget=attention,
-                         warm_codec=warm, host_budget=host and host * SMALL["page_size"], disk_path=disk, **SMALL)
+                         warm_codec=warm, host_budget=host and host * SMALL["page_size"], disk_path=disk,
+                         prefetch_predictor=prefetch, **SMALL)
     try:
         cache = TieredKVCache(MODEL.kv_spec(), cfg, num_sequences=3)
     except ConfigError:
@@ -295,6 +299,9 @@ def test_property_invariants(ops, policy, mode, budget, attention, warm, host):
     assert mgr.warm is None or int(mgr.warm.used().sum()) == 0
     assert mgr.disk is None or int(mgr.disk.used().sum()) == 0
     assert len(mgr.table.free) == mgr.table.capacity and not mgr.table.alive.any()
+    assert not mgr.table.staged.any() and not mgr.table.prefetched.any()
+    m = mgr.metrics
+    assert m.prefetched_pages == m.prefetch_hits + m.prefetch_wasted
 
 
 # ----------------------------------------------------------------------------- selection
@@ -313,7 +320,7 @@ def test_head_rank_selection(ref_tokens):
         steps = []
 
         class Recorder:  # the cache hands every step's access record of each sequence to its recorder
-            def record(self, access, *, seq, num_new, decode, page_size):
+            def record(self, access, *, seq, num_new, decode, page_size, t0):
                 if decode:
                     steps.append({tuple(x) for x in access.needed.nonzero().tolist()})  # (layer, page) needed
 
