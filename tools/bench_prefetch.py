@@ -182,7 +182,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 m = replay(trace, cfg, token_bytes_per_layer=tb, full_tokens=full_tokens,
                            predictor=None if pred == "none" else pred, prefetch_distance=args.distance)
                 steps = max(1, m.decode_steps)
-                pred_s = m.predictor_seconds / steps
+                pred_s = 0.0 if pred == "oracle" else m.predictor_seconds / steps  # the ceiling reads the log: no cost
                 if pred == "quest-next-layer":
                     pred_s += float(meta.get("spec_seconds_per_decode_step", 0.0))  # its scoring, paid live
                 stall = m.misses * page_bytes / steps

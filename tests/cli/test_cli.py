@@ -173,3 +173,18 @@ def test_serve_bench(tiny_gguf, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["serve-bench", "--suite", "nope"])
     assert exc.value.code == 2
+
+
+def test_generate_prefetch_and_access_log_flags(tiny_gguf, tmp_path, capsys):
+    logs = tmp_path / "logs"
+    argv = ["generate", "--model", tiny_gguf, "--prompt", "the cat sat on the mat and the sun rose " * 30,
+            "--max-new-tokens", "8", "--kv-budget", "30%", "--attention-budget", "20%", "--page-size", "8",
+            "--prefetch", "vote", "--prefetch-distance", "3", "--access-log", str(logs), "--stats", "--json"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    d = json.loads(captured.out.strip().splitlines()[-1])
+    assert d["kv_config"]["prefetch"]["predictor"] == "vote" and d["kv_config"]["prefetch"]["distance"] == 3
+    assert "prefetch_precision" in d["tier_metrics"] and "prefetch:" in captured.err
+    assert len(list(logs.glob("seq-*.pt"))) == 1
+    assert main(["generate", "--model", tiny_gguf, "--prompt", "x", "--prefetch", "psychic"]) == 2
+    assert "prefetch_predictor (prefetch.predictor): unknown value 'psychic'" in capsys.readouterr().err
