@@ -3,7 +3,7 @@
     python tools/bench_prefetch.py record --texts pg-essays --contexts 1024 2048 4096 --out results/prefetch/train
     python tools/bench_prefetch.py record --kind digits --texts pg-essays --contexts 2048 --out results/prefetch/train
     python tools/bench_prefetch.py record --kind generate --texts pg-essays --contexts 2048 --out results/prefetch/train
-    python tools/train_prefetcher.py --logs results/prefetch/train --out runtime/tiered/weights/access-gru.safetensors
+    python tools/train_prefetcher.py --logs results/prefetch/train --out runtime/tiered/prefetch/access-gru.safetensors
 
 The design note's recipe: a curriculum over context lengths (the ``window`` logs, shortest
 first; each stage trains on every length up to its own), the ``digits`` logs (contexts dense
@@ -113,7 +113,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--logs", default="results/prefetch/train")
-    ap.add_argument("--out", default="runtime/tiered/weights/access-gru.safetensors")
+    ap.add_argument("--out", default="runtime/tiered/prefetch/access-gru.safetensors")
     ap.add_argument("--history", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=16)
     ap.add_argument("--every", type=int, default=4, help="keep every k-th decode step of a log as training rows")

@@ -20,7 +20,7 @@ from torch import nn
 from tieredkv.errors import ConfigError, DataFileError, short
 from tieredkv.runtime.tiered.prefetch.base import Predictor, PredictorInput
 
-WEIGHTS = Path(__file__).resolve().parent.parent / "weights" / "access-gru.safetensors"
+WEIGHTS = Path(__file__).resolve().parent / "access-gru.safetensors"
 #: per-page static features (module docstring), appended to every history step
 STATIC_FEATURES = ("relative position", "log distance to the end", "importance", "mean attention mass per step",
                    "layer")
