@@ -384,9 +384,73 @@ def tensorrt_profiles(config, *, page_size: int, max_batch: int, max_context: in
         for layer in range(L):
             prof[f"k_pool_{layer}"] = prof[f"v_pool_{layer}"] = shape(c, kvh, p, d)
             if warm_codec is not None:
-                prof[f"warm_pool_{layer}"] = shape(w, nb)
+                prof[f"warm_pool_{layer}"] = shape(w, nb // 4)  # int32 words
         out[name] = prof
     return out
+
+
+#: the oldest TensorRT whose ONNX parser maps a node carrying ``plugin_namespace`` /
+#: ``plugin_version`` to its registered plugin (older parsers inline the function body silently)
+TRT_MIN_VERSION = "10.7"
+
+
+def check_tensorrt_version(version: str) -> None:
+    """EngineBuildError unless ``version`` (tensorrt.__version__) is at least TRT_MIN_VERSION."""
+    def key(v: str) -> tuple[int, ...]:
+        return tuple(int(x) if x.isdigit() else 0 for x in v.split(".")[:3])
+
+    if key(version) < key(TRT_MIN_VERSION):
+        raise EngineBuildError(f"TensorRT {version} is too old: the tieredkv plugins need TensorRT >= "
+                               f"{TRT_MIN_VERSION}, whose ONNX parser maps the plugin nodes to the registered plugins "
+                               "(older parsers inline the nodes' function bodies without a word)")
+
+
+def plugin_nodes(model) -> dict[str, int]:
+    """How many nodes of each tieredkv op with a TensorRT plugin the step graph holds (the nodes
+    that carry ``plugin_namespace``)."""
+    from tieredkv.plugins.onnx_ops import DOMAIN
+
+    counts: dict[str, int] = {}
+    for node in model.graph.node:
+        if node.domain == DOMAIN and any(a.name == "plugin_namespace" for a in node.attribute):
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
+def _plugin_name(layer, trt) -> str | None:
+    """The plugin name of a plugin layer of a parsed network (None when TensorRT's Python API
+    does not expose it)."""
+    try:
+        plugin = layer.get_plugin() if hasattr(layer, "get_plugin") else layer.plugin
+        core = plugin.get_capability_interface(trt.PluginCapabilityType.CORE)
+        return str(core.plugin_name)
+    except Exception:  # noqa: BLE001 - the name is a refinement of the count check
+        return None
+
+
+def check_plugin_layers(network, trt, expected: dict[str, int]) -> None:
+    """After parsing: the network must hold a plugin layer for every plugin node of the step
+    graph (``expected``: op type -> nodes). A parser that inlined a node's function body instead
+    builds an engine that runs, slowly and without the plugins: that is a build error here."""
+    plugin_types = {getattr(trt.LayerType, n) for n in ("PLUGIN_V3", "PLUGIN_V2", "PLUGIN") if hasattr(trt.LayerType, n)}
+    found: dict[str, int] = {}
+    unnamed = 0
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type not in plugin_types:
+            continue
+        name = _plugin_name(layer, trt)
+        if name is None:
+            unnamed += 1
+        else:
+            found[name] = found.get(name, 0) + 1
+    missing = {op: n - found.get(op, 0) for op, n in expected.items() if found.get(op, 0) < n}
+    if sum(missing.values()) > unnamed:
+        raise EngineBuildError(
+            f"the parsed network lacks plugin layers for {short(missing)} (expected {short(expected)}, found "
+            f"{short(found)}{f' and {unnamed} unnamed' if unnamed else ''}): TensorRT inlined the nodes' ONNX "
+            f"function bodies instead of using the tieredkv plugins. Use TensorRT >= {TRT_MIN_VERSION} and load "
+            "the tieredkv plugin library (--plugin-library)")
 
 
 def build_tensorrt_if_available(onnx_path: Path, plan_path: Path, args: argparse.Namespace, config, *,
@@ -399,8 +463,9 @@ def build_tensorrt_if_available(onnx_path: Path, plan_path: Path, args: argparse
     except ImportError:
         return False, (f"[6/6] TensorRT is not installed here, so no TensorRT engine was built: the engine holds the "
                        f"ONNX step graph ({STEP_GRAPH}), which ONNX Runtime runs (tieredkv generate --engine DIR). "
-                       f"On a GPU machine with TensorRT >= 10.15, build the plugin library (cmake -S plugins/csrc -B "
+                       f"On a GPU machine with TensorRT >= {TRT_MIN_VERSION}, build the plugin library (cmake -S plugins/csrc -B "
                        f"build/plugins -DTRT_INCLUDE_DIR=... && cmake --build build/plugins) and run: {rebuild}")
+    check_tensorrt_version(trt.__version__)
     log(f"[6/6] building the TensorRT {trt.__version__} engine ({args.precision}, 2 optimization profiles)")
     logger = trt.Logger(trt.Logger.WARNING)
     registry = trt.get_plugin_registry()
@@ -428,7 +493,13 @@ def build_tensorrt_if_available(onnx_path: Path, plan_path: Path, args: argparse
     if not parser.parse_from_file(str(onnx_path)):
         errs = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise VerificationError(f"TensorRT's ONNX parser rejects {STEP_GRAPH}: {errs}")
+    import onnx
+
+    check_plugin_layers(network, trt, plugin_nodes(onnx.load(str(onnx_path), load_external_data=False)))
     cfg = builder.create_builder_config()
+    aliased = getattr(trt.PreviewFeature, "ALIASED_PLUGIN_IO_10_03", None)
+    if aliased is not None:  # KVAppend writes the pools in place (its outputs alias its inputs)
+        cfg.set_preview_feature(aliased, True)
     if args.precision == "fp16":
         cfg.set_flag(trt.BuilderFlag.FP16)
     elif args.precision == "bf16":

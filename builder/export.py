@@ -186,7 +186,7 @@ def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
     offsets = g.op("Reshape", "write_offset", g.const([-1]))
     valid = g.op("Less", g.op("Mul", "page_index", g.const(p)), g.op("Unsqueeze", "seq_len", g.const([1])))
     if tiered:
-        cand = g.op("And", valid, g.op("Not", "page_pinned"))
+        cand = g.op("Cast", g.op("And", valid, g.op("Not", "page_pinned")), to=TensorProto.INT32)  # plugin mask: int32
         # distance of each page's last token from the last new token (the position signal)
         last_tok = g.op("Sub", g.op("Add", g.op("Mul", "page_index", g.const(p)), "page_tokens"), g.const(1))
         distance = g.op("Sub", g.op("Unsqueeze", g.op("Sub", "seq_len", g.const(1)), g.const([1])), last_tok)
@@ -236,6 +236,7 @@ def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
         else:
             attended = g.op("And", in_pool, valid)
         attn, lse, probs = f"{pre}.attn_out", f"{pre}.attn_lse", f"{pre}.page_probs"
+        attended = g.op("Cast", attended, to=TensorProto.INT32)  # plugin tensors cannot be bool
         attn_in = [q, k_out, v_out, table, attended, "page_index", "seq_len", past]
         warm_attrs = {}
         if options.warm_codec is not None:
@@ -265,7 +266,7 @@ def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
     warm = options.warm_codec is not None
     known = {"L": n_layers, "KVH": kvh, "P": p, "D": d, "V": c.vocab_size}
     if warm:
-        known["PB"] = page_bytes(CODECS[options.warm_codec], kvh, p, d)
+        known["PW"] = page_bytes(CODECS[options.warm_codec], kvh, p, d) // 4
     ins = _value_infos(StepFeeds, n_layers, known, tiered_kv=tiered, warm=warm)
     outs = _value_infos(StepOutputs, n_layers, known, tiered_kv=tiered, warm=warm)
     graph = helper.make_graph(g.nodes, f"{c.name}_step{'_tiered' if tiered else ''}", ins, outs,
@@ -278,7 +279,7 @@ def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
                              producer_name="tieredkv.builder", doc_string=__doc__.split("\n\n")[0])
 
 
-_ONNX_TYPES = {torch.float32: _F32, torch.int64: _I64, torch.bool: _BOOL, torch.uint8: TensorProto.UINT8}
+_ONNX_TYPES = {torch.float32: _F32, torch.int64: _I64, torch.int32: TensorProto.INT32, torch.bool: _BOOL}
 
 
 def _value_infos(tensors, num_layers: int, known: dict[str, int], *, tiered_kv: bool, warm: bool) -> list:
@@ -484,7 +485,7 @@ def _make_warm(feeds: StepFeeds, rng: np.random.Generator, spec, write_pages: np
         enc = encode_pages(torch.from_numpy(feeds.k_pool[layer])[src], torch.from_numpy(feeds.v_pool[layer])[src], spec)
         data = np.zeros((len(cols) + 1, page_bytes(spec, *feeds.k_pool[0].shape[1:])), np.uint8)
         data[rows] = enc.numpy()
-        warm_pools.append(data)
+        warm_pools.append(data.view(np.int32))  # the graph takes the encoded bytes as int32 words
         warm_row[layer][warm] = rows
         table[layer][warm] = (table[layer][warm] + 1) % capacity
     feeds.warm_pool, feeds.page_warm_row = warm_pools, warm_row

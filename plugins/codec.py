@@ -249,6 +249,26 @@ def page_bytes(spec: CodecSpec, kv_heads: int, page_size: int, head_dim: int) ->
     return page_layout(spec, kv_heads, page_size, head_dim)["total"]["bytes"]
 
 
+def as_words(pool: torch.Tensor) -> torch.Tensor:
+    """Encoded pages [..., NB] uint8 as little-endian int32 words [..., NB / 4] (a view when
+    ``pool`` is contiguous): the form TensorRT takes them in (plugin tensors cannot be uint8,
+    and a uint8 network input may only feed a Cast). NB is a multiple of ``ALIGN``."""
+    if pool.dtype != torch.uint8 or pool.shape[-1] % 4:
+        raise ValueError(f"as_words: expected uint8 pages of a multiple of 4 bytes, got {pool.dtype} "
+                         f"{tuple(pool.shape)}")
+    return pool.contiguous().view(torch.int32)
+
+
+def as_bytes(pool: torch.Tensor) -> torch.Tensor:
+    """Encoded pages as uint8 bytes [..., NB]: uint8 as they are, int32 words (``as_words``)
+    viewed back as their bytes."""
+    if pool.dtype == torch.uint8:
+        return pool
+    if pool.dtype != torch.int32:
+        raise ValueError(f"encoded pages: expected uint8 bytes or int32 words, got {pool.dtype}")
+    return pool.contiguous().view(torch.uint8)
+
+
 def bits_per_value(spec: CodecSpec, kv_heads: int, page_size: int, head_dim: int) -> float:
     return 8 * page_bytes(spec, kv_heads, page_size, head_dim) / (2 * kv_heads * page_size * head_dim)
 

@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from tieredkv.plugins.tiered_attention import as_mask
+
 #: ImportanceScore weights that make its score the relevance alone
 RELEVANCE_ONLY = (1.0, 0.0, 0.0)
 #: distances below this many tokens share bucket 0; bucket i >= 1 covers [2^(i-1), 2^i) * EXACT_TOKENS
@@ -67,6 +69,7 @@ def bound_logits(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_t
     """Per head, the upper bound of each page's attention logit plus log(tokens in the page)
     (the bound of the page's log-sum-exp): [B, H, M], -inf where ``page_mask`` is False."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    page_mask = as_mask(page_mask)
     ub = quest_upper_bound(q, kmin, kmax) * scale + torch.log(page_tokens.float().clamp(min=1)).unsqueeze(1)
     return ub.masked_fill(~page_mask.unsqueeze(1), float("-inf"))
 
@@ -83,6 +86,7 @@ def _head_rank_of_bounds(ub: torch.Tensor, page_mask: torch.Tensor) -> torch.Ten
     1 - rank / M; [B, M], 0 for masked pages."""
     m = ub.shape[-1]
     order = torch.sort(ub, dim=-1, descending=True, stable=True).indices
+    page_mask = as_mask(page_mask)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(m).expand_as(order))
     score = 1.0 - rank.amin(dim=1).float() / m
     return torch.where(page_mask, score, torch.zeros_like(score))
@@ -135,12 +139,13 @@ def importance_score(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pa
     q [B, H, D] — the query the step attends with (the last new token's);
     kmin, kmax [B, M, KVH, D]; page_tokens [B, M] — tokens written in the page;
     distance [B, M] — query position minus the page's last token position;
-    saliency [B, M] in [0, 1]; page_mask [B, M] bool (the pages competing); position_table [NB];
+    saliency [B, M] in [0, 1]; page_mask [B, M] bool or int32 (nonzero: the pages competing); position_table [NB];
     weights (relevance, position, saliency), non-negative, summing to 1;
     aggregate — how :func:`relevance` combines the query heads (the ONNX and CUDA forms
     implement ``share``).
     """
     w_rel, w_pos, _ = weights
+    page_mask = as_mask(page_mask)
     rel = relevance(q, kmin, kmax, page_tokens, page_mask, scale=scale, aggregate=aggregate) if w_rel else None
     score = mix(weights, rel, position_value(distance, position_table) if w_pos else None, saliency.float())
     return torch.where(page_mask, score, torch.zeros_like(score))

@@ -30,7 +30,7 @@ from tieredkv.plugins.onnx_codec import (DOMAIN, OPSET, PLUGIN_NAMESPACE, PLUGIN
                                          decode_pages_function, decode_pages_op_type)
 
 __all__ = ["DOMAIN", "PLUGIN_NAMESPACE", "PLUGIN_VERSION", "OPSET", "TIERED_ATTENTION", "IMPORTANCE_SCORE",
-           "SELECT_PAGES", "KV_APPEND", "tiered_attention_function", "tiered_attention_model",
+           "SELECT_PAGES", "KV_APPEND", "TOPK_LIMIT", "tiered_attention_function", "tiered_attention_model",
            "importance_score_function", "importance_score_model", "select_pages_function", "select_pages_model",
            "kv_append_function", "kv_append_model", "warm_functions"]
 
@@ -38,6 +38,8 @@ TIERED_ATTENTION = "TieredAttention"
 IMPORTANCE_SCORE = "ImportanceScore"
 SELECT_PAGES = "SelectPages"
 KV_APPEND = "KVAppend"
+#: TensorRT's largest TopK K (ITopKLayer): SelectPages keeps its K within the attention budget
+TOPK_LIMIT = 3840
 #: attributes every node of this module carries (declared by the functions, set on the node)
 PLUGIN_ATTRS = ["plugin_namespace", "plugin_version"]
 
@@ -88,6 +90,15 @@ def _masked_softmax(b: _Body, logits: str, allowed: str) -> tuple[str, str]:
     return probs, lse
 
 
+def _word_bytes(b: _Body, words: str, nbytes: int) -> str:
+    """int32 words [N, nbytes / 4] -> their little-endian bytes [N, nbytes] uint8 (ONNX has no
+    bitcast: each word's unsigned value, divided by 256^j, modulo 256, is byte j)."""
+    unsigned = b.op("BitwiseAnd", b.op("Cast", words, to=_I64), b.const(0xFFFFFFFF, _I64))
+    shifted = b.op("Div", _unsqueeze(b, unsigned, -1), b.const([1, 1 << 8, 1 << 16, 1 << 24], _I64))
+    low = b.op("BitwiseAnd", shifted, b.const(0xFF, _I64))  # [N, nbytes / 4, 4]
+    return b.op("Reshape", b.op("Cast", low, to=TensorProto.UINT8), b.const([-1, nbytes], _I64))
+
+
 def _function(name: str, inputs: list[str], outputs: list[str], b: _Body, attrs: list[str], *,
               calls_domain: bool = False, plugin: bool = True) -> FunctionProto:
     """``calls_domain``: the body calls other functions of the tieredkv domain; ``plugin``: the
@@ -129,16 +140,19 @@ def tiered_attention_function(warm_codec: str | None = None,
     ``tiered_attention(..., scale=scale)``.
 
     Inputs: q [B, H, T, D] float32; k_pool, v_pool [C, KVH, P, D] float32; page_table [B, M]
-    int64; page_mask [B, M] bool; page_index [B, M] int64; seq_len [B] int64; past [B] int64.
+    int64; page_mask [B, M] int32 (nonzero = kept: TensorRT plugins take no bool tensors);
+    page_index [B, M] int64; seq_len [B] int64; past [B] int64.
     Outputs: out [B, H, T, D] float32 (0 for a query that sees no key), lse [B, H, T] float32
     (-inf when nothing is seen), page_probs [B, H, T, M] float32. H must be a multiple of KVH
     (query head h reads kv head h // (H / KVH)).
 
     With ``warm_codec`` (and the pools' ``page_shape`` (KVH, P, D), which fixes the byte
     layout) the op also reads compressed pages, as ``tiered_attention(..., warm_pool=,
-    warm_row=, warm_codec=)``: two more inputs, warm_pool [W, NB] uint8 and warm_row [B, M]
-    int64, and the node carries the string attribute ``warm_codec``. The body decodes only the
-    kept warm pages (NonZero of ``page_mask & warm_row >= 0``) with ``KVDecodePages_<codec>``
+    warm_row=, warm_codec=)``: two more inputs, warm_pool [W, NB / 4] int32 (the encoded bytes
+    as little-endian words, ``codec.as_words``: plugin tensors cannot be uint8) and warm_row
+    [B, M] int64, and the node carries the string attribute ``warm_codec``. The body gathers
+    the kept warm pages (NonZero of ``page_mask & warm_row >= 0``), splits their words into
+    bytes and decodes them with ``KVDecodePages_<codec>``
     (:func:`warm_functions` lists the functions a model needs) and scatters them over the
     gathered pages before attending.
     """
@@ -154,11 +168,13 @@ def tiered_attention_function(warm_codec: str | None = None,
     # gather the listed pages: [B, M, KVH, P, D] -> [B, KVH, 1, M*P, D] (the 1 broadcasts over G)
     kv_shape = _shape(b, B, KVH, one, MP, D)
 
+    page_mask = b.op("Cast", "page_mask", to=TensorProto.BOOL)  # int32 on the node: nonzero = kept
     gathered = {pool: b.op("Gather", pool, "page_table", axis=0) for pool in ("k_pool", "v_pool")}  # [B,M,KVH,P,D]
     if warm_codec is not None:
-        take = b.op("And", "page_mask", b.op("GreaterOrEqual", "warm_row", b.const(0, _I64)))
+        take = b.op("And", page_mask, b.op("GreaterOrEqual", "warm_row", b.const(0, _I64)))
         idx = b.op("Transpose", b.op("NonZero", take), perm=[1, 0])  # [N, 2] (b, m) of the kept warm pages
-        enc = b.op("Gather", "warm_pool", b.op("GatherND", "warm_row", idx), axis=0)  # [N, NB]
+        words = b.op("Gather", "warm_pool", b.op("GatherND", "warm_row", idx), axis=0)  # [N, NB / 4] int32
+        enc = _word_bytes(b, words, page_bytes(CODECS[warm_codec], *page_shape))  # [N, NB] uint8
         k_dec, v_dec = b._name("warm_k"), b._name("warm_v")
         b.nodes.append(helper.make_node(decode_pages_op_type(CODECS[warm_codec]), [enc], [k_dec, v_dec],
                                         domain=DOMAIN))
@@ -175,7 +191,7 @@ def tiered_attention_function(warm_codec: str | None = None,
     # key position of slot o of listed page m: page_index * P + o -> [B, M*P]
     p_range = b.op("Range", b.const(0, _I64), _scalar(b, P), b.const(1, _I64))
     key_pos = b.op("Reshape", b.op("Add", b.op("Mul", _unsqueeze(b, "page_index", 2), P), p_range), _shape(b, B, MP))
-    mask_mp = b.op("Reshape", b.op("Expand", _unsqueeze(b, "page_mask", 2), _shape(b, B, M, P)), _shape(b, B, MP))
+    mask_mp = b.op("Reshape", b.op("Expand", _unsqueeze(b, page_mask, 2), _shape(b, B, M, P)), _shape(b, B, MP))
     valid = b.op("And", mask_mp, b.op("Less", key_pos, _unsqueeze(b, "seq_len", 1)))  # [B, MP]
     t_range = b.op("Range", b.const(0, _I64), _scalar(b, T), b.const(1, _I64))
     q_pos = b.op("Add", _unsqueeze(b, "past", 1), t_range)  # [B, T]
@@ -207,14 +223,14 @@ def tiered_attention_model(scale: float, *, warm_codec: str | None = None,
                            page_shape: tuple[int, int, int] | None = None) -> ModelProto:
     """A one-node model running TieredAttention (all sizes dynamic but, with a warm codec, the
     page shape; the model passes ``scale = D ** -0.5``)."""
-    f, i64, bool_ = _F32, _I64, TensorProto.BOOL
+    f, i64, i32 = _F32, _I64, TensorProto.INT32
     pool = ["C", "KVH", "P", "D"] if page_shape is None else ["C", *page_shape]
     ins = [("q", f, ["B", "H", "T", "D"]), ("k_pool", f, pool), ("v_pool", f, pool),
-           ("page_table", i64, ["B", "M"]), ("page_mask", bool_, ["B", "M"]), ("page_index", i64, ["B", "M"]),
+           ("page_table", i64, ["B", "M"]), ("page_mask", i32, ["B", "M"]), ("page_index", i64, ["B", "M"]),
            ("seq_len", i64, ["B"]), ("past", i64, ["B"])]
     attrs = {"scale": float(scale)}
     if warm_codec is not None:
-        ins += [("warm_pool", TensorProto.UINT8, ["W", page_bytes(CODECS[warm_codec], *page_shape)]),
+        ins += [("warm_pool", i32, ["W", page_bytes(CODECS[warm_codec], *page_shape) // 4]),
                 ("warm_row", i64, ["B", "M"])]
         attrs["warm_codec"] = warm_codec
     outs = [("out", f, ["B", "H", "T", "D"]), ("lse", f, ["B", "H", "T"]), ("page_probs", f, ["B", "H", "T", "M"])]
@@ -245,10 +261,11 @@ def importance_score_function() -> FunctionProto:
     saliency); ``scale``: float), equal to ``importance_score(..., weights, scale=scale)``.
 
     Inputs: q [B, H, D] float32; kmin, kmax [B, M, KVH, D] float32; page_tokens [B, M] int64;
-    distance [B, M] int64; saliency [B, M] float32; page_mask [B, M] bool; position_table
-    [NB] float32. Output: score [B, M] float32 (0 where page_mask is False).
+    distance [B, M] int64; saliency [B, M] float32; page_mask [B, M] int32 (nonzero: the page
+    competes); position_table [NB] float32. Output: score [B, M] float32 (0 where page_mask is 0).
     """
     b = _Body()
+    page_mask = b.op("Cast", "page_mask", to=TensorProto.BOOL)
     B, H, D = (_dim(b, "q", i) for i in range(3))
     KVH, M = _dim(b, "kmin", 2), _dim(b, "kmin", 1)
     G = b.op("Div", H, KVH)
@@ -261,7 +278,7 @@ def importance_score_function() -> FunctionProto:
     ub = b.op("Reshape", ub, _shape(b, B, H, M))
     log_len = b.op("Log", b.op("Max", b.op("Cast", "page_tokens", to=_F32), b.const(1.0)))
     ub = b.op("Add", b.op("Mul", ub, _attr_const(b, "scale", "value_float")), _unsqueeze(b, log_len, 1))
-    share, _ = _masked_softmax(b, ub, _unsqueeze(b, "page_mask", 1))  # [B, H, M]
+    share, _ = _masked_softmax(b, ub, _unsqueeze(b, page_mask, 1))  # [B, H, M]
     share = b.op("ReduceMax", share, b.const([1], _I64), keepdims=0)  # [B, M]
     best = b.op("Max", b.op("ReduceMax", share, b.const([-1], _I64), keepdims=1), b.const(1e-30))
     rel = b.op("Div", share, best)
@@ -273,7 +290,7 @@ def importance_score_function() -> FunctionProto:
     w_rel, w_pos, w_sal = (b.op("Gather", w, b.const(i, _I64), axis=0) for i in range(3))
     rel_term = b.op("Where", b.op("Equal", w_rel, zero), zero, b.op("Mul", w_rel, rel))  # the reference skips w_rel = 0
     score = b.op("Add", b.op("Add", rel_term, b.op("Mul", w_pos, pos)), b.op("Mul", w_sal, "saliency"))
-    b.op("Where", "page_mask", score, zero, out="score")
+    b.op("Where", page_mask, score, zero, out="score")
     return _function(IMPORTANCE_SCORE, _SCORE_INPUTS, ["score"], b, ["weights", "scale"])
 
 
@@ -285,7 +302,7 @@ def importance_score_model(weights: tuple[float, float, float], scale: float) ->
     f, i64 = _F32, _I64
     ins = [("q", f, ["B", "H", "D"]), ("kmin", f, ["B", "M", "KVH", "D"]), ("kmax", f, ["B", "M", "KVH", "D"]),
            ("page_tokens", i64, ["B", "M"]), ("distance", i64, ["B", "M"]), ("saliency", f, ["B", "M"]),
-           ("page_mask", TensorProto.BOOL, ["B", "M"]), ("position_table", f, ["NB"])]
+           ("page_mask", TensorProto.INT32, ["B", "M"]), ("position_table", f, ["NB"])]
     return _model(importance_score_function(), ins, [("score", f, ["B", "M"])],
                   weights=[float(x) for x in weights], scale=float(scale))
 
@@ -299,10 +316,13 @@ def select_pages_function() -> FunctionProto:
     """``tieredkv::SelectPages`` (no attributes), equal to ``select_pages``.
 
     Inputs: score [B, M] float32; valid, pinned [B, M] bool; attend_pages [B] int64.
-    Output: selected [B, M] bool. TopK over the candidates (valid, not pinned) with K = M,
-    sorted (ties: lower column first), ranks scattered back to columns; a candidate is selected
-    when its rank is below ``attend_pages - #(valid pinned)``, every valid page when
-    ``attend_pages`` covers them all.
+    Output: selected [B, M] bool. A candidate (valid, not pinned) is selected when its rank
+    (score descending, ties: lower column first) is below ``extra = attend_pages - #(valid
+    pinned)``; every valid page when ``attend_pages`` covers them all. The ranks come from one
+    sorted TopK whose K is the largest ``extra`` of the sequences that do not select every page
+    (at least 1, at most M): K is bounded by the attention budget, not by the context, so
+    TensorRT's TopK limit (K <= :data:`TOPK_LIMIT`) holds for any context as long as the budget
+    beyond T0 stays within it (the TensorRT backend checks).
     """
     b = _Body()
     m = _dim(b, "score", 1)
@@ -310,16 +330,17 @@ def select_pages_function() -> FunctionProto:
     pinned = b.op("And", "pinned", "valid")
     cand = b.op("And", "valid", b.op("Not", "pinned"))
     ranked = b.op("Where", cand, "score", b.const(float("-inf")))
+    extra = b.op("Sub", "attend_pages", count(pinned))  # [B]
+    every = b.op("GreaterOrEqual", "attend_pages", count("valid"))  # [B]
+    need = b.op("Where", every, b.const(0, _I64), extra)
+    k = b.op("Min", b.op("Max", b.op("ReduceMax", need, b.const([0], _I64), keepdims=1), b.const([1], _I64)), m)
     values, order = b._name("topk_values"), b._name("topk_order")
-    b.nodes.append(helper.make_node("TopK", [ranked, m], [values, order], axis=-1, largest=1, sorted=1))
-    cols = b.op("Expand", _unsqueeze(b, b.op("Range", b.const(0, _I64), _scalar(b, m), b.const(1, _I64)), 0),
-                b.op("Shape", "score"))
+    b.nodes.append(helper.make_node("TopK", [ranked, k], [values, order], axis=-1, largest=1, sorted=1))
+    rank = _unsqueeze(b, b.op("Range", b.const(0, _I64), _scalar(b, k), b.const(1, _I64)), 0)  # [1, K]
+    within = b.op("Cast", b.op("Less", rank, _unsqueeze(b, extra, 1)), to=_I64)  # [B, K]
     zeros = b.op("ConstantOfShape", b.op("Shape", "score"), value=helper.make_tensor("zero", _I64, [1], [0]))
-    rank = b.op("ScatterElements", zeros, order, cols, axis=1)
-    extra = _unsqueeze(b, b.op("Sub", "attend_pages", count(pinned)), 1)
-    top = b.op("And", cand, b.op("Less", rank, extra))
-    every = _unsqueeze(b, b.op("GreaterOrEqual", "attend_pages", count("valid")), 1)
-    b.op("And", "valid", b.op("Or", b.op("Or", pinned, every), top), out="selected")
+    top = b.op("And", cand, b.op("Cast", b.op("ScatterElements", zeros, order, within, axis=1), to=TensorProto.BOOL))
+    b.op("And", "valid", b.op("Or", b.op("Or", pinned, _unsqueeze(b, every, 1)), top), out="selected")
     return _function(SELECT_PAGES, _SELECT_INPUTS, ["selected"], b, [], plugin=False)
 
 

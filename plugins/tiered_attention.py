@@ -16,6 +16,12 @@ import torch
 PAD_PAGE_INDEX = 1 << 40
 
 
+def as_mask(page_mask: torch.Tensor) -> torch.Tensor:
+    """A page mask as bool: the ops take bool or an integer mask (nonzero = kept; the int32
+    form is what the ONNX nodes and TensorRT plugins take, which accept no bool I/O)."""
+    return page_mask if page_mask.dtype == torch.bool else page_mask != 0
+
+
 def tiered_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
                      page_mask: torch.Tensor, page_index: torch.Tensor, seq_len: torch.Tensor, past: torch.Tensor,
                      *, scale: float | None = None, with_lse: bool = True, warm_pool: torch.Tensor | None = None,
@@ -29,7 +35,8 @@ def tiered_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     * ``q`` [B, H, T, D] — rotated queries; query t of sequence b sits at position ``past[b] + t``.
     * ``k_pool``, ``v_pool`` [C, KVH, P, D] — page pool; slot o of page c holds one token.
     * ``page_table`` [B, M] int64 — pool slot of each listed page (padding: any valid slot).
-    * ``page_mask`` [B, M] bool — False removes the page (not selected, not resident, padding).
+    * ``page_mask`` [B, M] bool or int32 — False (0) removes the page (not selected, not
+      resident, padding).
     * ``page_index`` [B, M] int64 — the page's logical index in its sequence: slot o of the
       page holds the token at position ``page_index * P + o``.
     * ``seq_len`` [B] int64 — tokens in the sequence; positions ``>= seq_len`` are empty slots.
@@ -39,7 +46,9 @@ def tiered_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 
     * ``warm_codec`` — the KV codec of the warm pages (a name of ``codec.CODECS``);
     * ``warm_pool`` [W, NB] uint8 — W pages encoded with that codec in the byte layout of
-      ``codec.encode_pages`` (page shape [KVH, P, D] of the pools; NB = ``codec.page_bytes``);
+      ``codec.encode_pages`` (page shape [KVH, P, D] of the pools; NB = ``codec.page_bytes``),
+      or the same bytes as int32 words [W, NB / 4] (``codec.as_words``: the form of the ONNX
+      node and the TensorRT plugin);
     * ``warm_row`` [B, M] int64 — the warm-pool row holding listed page m, or -1 when the page
       is read from the pools. For a page with ``warm_row >= 0`` the K/V are
       ``codec.decode_pages(warm_pool[warm_row])`` and its ``page_table`` entry is ignored (any
@@ -52,6 +61,7 @@ def tiered_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     pages for every query that sees a key).
     """
     k_pages, v_pages = k_pool[page_table], v_pool[page_table]
+    page_mask = as_mask(page_mask)
     if (warm_pool is None) != (warm_row is None) or (warm_pool is None) != (warm_codec is None):
         raise ValueError("warm_pool, warm_row and warm_codec go together: pass all three or none")
     if warm_pool is not None:
@@ -63,13 +73,14 @@ def tiered_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 def _with_warm_pages(k_pages: torch.Tensor, v_pages: torch.Tensor, page_mask: torch.Tensor, warm_pool: torch.Tensor,
                      warm_row: torch.Tensor, warm_codec: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The gathered pages [B, M, KVH, P, D] with the kept warm ones replaced by their decoded K/V."""
-    from tieredkv.plugins.codec import CODECS, decode_pages
+    from tieredkv.plugins.codec import CODECS, as_bytes, decode_pages
 
     if warm_codec not in CODECS:
         raise ValueError(f"warm_codec: unknown codec {warm_codec!r}; expected one of {sorted(CODECS)}")
     take = page_mask & (warm_row >= 0)
     if not bool(take.any()):
         return k_pages, v_pages
+    warm_pool = as_bytes(warm_pool)
     k_dec, v_dec = decode_pages(warm_pool[warm_row[take]], CODECS[warm_codec], tuple(k_pages.shape[2:]))
     k_pages, v_pages = k_pages.clone(), v_pages.clone()
     k_pages[take], v_pages[take] = k_dec.to(k_pages.dtype), v_dec.to(v_pages.dtype)
@@ -87,6 +98,7 @@ def attention_over_pages(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.
     _, m, kvh, p, _ = k_pages.shape
     g = h // kvh
     scale = d ** -0.5 if scale is None else scale
+    page_mask = as_mask(page_mask)
     k = k_pages.permute(0, 2, 1, 3, 4).reshape(b, kvh, m * p, d).float()
     v = v_pages.permute(0, 2, 1, 3, 4).reshape(b, kvh, m * p, d).float()
     key_pos = (page_index.unsqueeze(-1) * p + torch.arange(p)).reshape(b, m * p)

@@ -173,7 +173,7 @@ class _Backend(abc.ABC):
             fixed["key_min"] = (3, [c.num_kv_heads, c.head_dim])
         if warm:
             fixed["warm_pool_0"] = (1, [page_bytes(CODECS[eng.warm_codec], c.num_kv_heads, eng.page_size,
-                                                   c.head_dim)])
+                                                   c.head_dim) // 4])  # int32 words
         shapes = {**inputs, **outputs}
         for name, (start, want) in fixed.items():
             got = list(shapes[name][start:])
@@ -288,7 +288,7 @@ class OnnxRuntimeBackend(_Backend):
         return {n: torch.from_numpy(v) for n, v in zip(self.output_names, binding.copy_outputs_to_cpu())}
 
 
-_NP_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_, torch.uint8: np.uint8}
+_NP_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_}
 
 
 class TensorRTBackend(_Backend):
@@ -306,7 +306,7 @@ class TensorRTBackend(_Backend):
             import tensorrt as trt
         except ImportError:
             raise BackendUnavailableError(
-                "the tensorrt backend needs TensorRT (>= 10.15) and a CUDA GPU; TensorRT is not installed here. "
+                "the tensorrt backend needs TensorRT (>= 10.7) and a CUDA GPU; TensorRT is not installed here. "
                 f"Run {self.engine.path} with --backend onnxruntime, or build its TensorRT engine on a GPU machine "
                 "(docs/engine.md, 'Building the TensorRT engine on a GPU machine')") from None
         if not torch.cuda.is_available():
@@ -329,6 +329,19 @@ class TensorRTBackend(_Backend):
         self.context = self.trt_engine.create_execution_context()
         self.stream = torch.cuda.Stream()
 
+    def check_cache(self, cache: KVCache) -> None:
+        """The common checks, and TensorRT's TopK limit: SelectPages ranks the attention budget
+        beyond T0 with one TopK, whose K TensorRT bounds by TOPK_LIMIT."""
+        super().check_cache(cache)
+        from tieredkv.plugins.onnx_ops import TOPK_LIMIT
+
+        pages = cache.budgets.attention_pages
+        if pages is not None and pages > TOPK_LIMIT:
+            raise ConfigError(f"attention budget {pages} pages per sequence-layer is over the {TOPK_LIMIT} pages "
+                              f"TensorRT's TopK selects ({TOPK_LIMIT * cache.config.page_size} tokens at page size "
+                              f"{cache.config.page_size}); use a smaller attention_budget, a larger page size, or the "
+                              "onnxruntime / torch backend")
+
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         trt, eng, ctx = self._trt, self.trt_engine, self.context
         # the builder's profiles: 0 = decode (T = 1), 1 = prefill (T > 1)
@@ -349,7 +362,7 @@ class TensorRTBackend(_Backend):
                 continue
             shape = tuple(ctx.get_tensor_shape(name))
             dtype = {trt.float32: torch.float32, trt.bool: torch.bool, trt.int64: torch.int64,
-                     trt.uint8: torch.uint8}[eng.get_tensor_dtype(name)]
+                     trt.int32: torch.int32}[eng.get_tensor_dtype(name)]
             outputs[name] = torch.empty(shape, dtype=dtype, device="cuda")
             ctx.set_tensor_address(name, outputs[name].data_ptr())
         if not ctx.execute_async_v3(self.stream.cuda_stream):

@@ -9,8 +9,8 @@ builder (``builder/export.py``) reads to declare the graph, the backends
 
 Dimensions: L layers, B sequences, T new tokens each, M listed pages (the longest
 sequence's; shorter ones are padded), C_l pool pages of layer l (``C{l}``), KVH kv heads, P
-page size, D head dim, NB position buckets, W_l warm pages of layer l, PB bytes of an
-encoded page, V vocabulary.
+page size, D head dim, NB position buckets, W_l warm pages of layer l, PW int32 words of an
+encoded page (its bytes / 4), V vocabulary.
 
 Per step (an engine backend's call): :func:`step_feeds` builds the inputs from the open step's plan —
 the page list of each sequence, each layer's page table into its device pool, the residency
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from tieredkv.errors import ConfigError
-from tieredkv.plugins.codec import CODECS
+from tieredkv.plugins.codec import CODECS, as_words
 from tieredkv.plugins.codec import page_bytes as codec_page_bytes
 from tieredkv.plugins.select_pages import ATTEND_ALL
 from tieredkv.plugins.tiered_attention import PAD_PAGE_INDEX
@@ -125,8 +125,10 @@ class StepFeeds(_GraphTensors):
                                         per_layer=True)
     v_pool: list[torch.Tensor] = tensor(torch.float32, ("C{l}", "KVH", "P", "D"), "the layer's value page pool",
                                         per_layer=True)
-    warm_pool: list[torch.Tensor] = tensor(torch.uint8, ("W{l}", "PB"), "the layer's warm pages, encoded with the "
-                                           "codec in the byte layout of codec.encode_pages (docs/codec.md)",
+    warm_pool: list[torch.Tensor] = tensor(torch.int32, ("W{l}", "PW"), "the layer's warm pages, encoded with the "
+                                           "codec in the byte layout of codec.encode_pages (docs/codec.md), as "
+                                           "little-endian int32 words (codec.as_words: TensorRT takes no uint8 "
+                                           "plugin tensors)",
                                            graphs="warm", per_layer=True)
 
 
@@ -213,17 +215,18 @@ def step_feeds(cache, *, tiered_graph: bool, warm_codec: str | None = None) -> S
 
 
 def _warm_pool(cache, layer: int, warm_codec: str) -> torch.Tensor:
-    """The warm pool of one layer as a graph input [W, PB] uint8: the pool's own rows (no
-    copy), or one zero row when the cache keeps no warm tier (the graph then reads none)."""
+    """The warm pool of one layer as a graph input [W, PW] int32 words: the pool's own rows
+    viewed as words (no copy), or one zero row when the cache keeps no warm tier (the graph
+    then reads none)."""
     warm = cache.mgr.warm
     if warm is not None:
         if cache.config.warm.codec != warm_codec:
             raise ConfigError(f"warm_codec {cache.config.warm.codec!r} of the KV config does not match the "
                               f"engine's {warm_codec!r}")
-        return warm.data[layer]
+        return as_words(warm.data[layer])
     spec = cache.spec
-    return torch.zeros((1, codec_page_bytes(CODECS[warm_codec], spec.num_kv_heads, cache.config.page_size,
-                                            spec.head_dim)), dtype=torch.uint8)
+    return as_words(torch.zeros((1, codec_page_bytes(CODECS[warm_codec], spec.num_kv_heads, cache.config.page_size,
+                                                     spec.head_dim)), dtype=torch.uint8))
 
 
 def finish_step(cache, step, feeds: StepFeeds, outputs: StepOutputs) -> None:

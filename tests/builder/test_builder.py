@@ -276,7 +276,7 @@ def test_tensorrt_profiles_cover_decode_and_prefill(model):
                              warm_codec="int4")["decode"]
     assert set(warm) == set(StepFeeds.names(c.num_layers, tiered_kv=True, warm=True))
     from tieredkv.plugins.codec import CODECS, page_bytes
-    assert warm["warm_pool_0"] == [[1, page_bytes(CODECS["int4"], c.num_kv_heads, 16, c.head_dim)],
+    assert warm["warm_pool_0"] == [[1, page_bytes(CODECS["int4"], c.num_kv_heads, 16, c.head_dim) // 4],  # int32 words
                                    [126, warm["warm_pool_0"][1][1]], [4 * 63, warm["warm_pool_0"][1][1]]]
 
 

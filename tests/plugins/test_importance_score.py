@@ -39,6 +39,7 @@ def run(impl: str, inputs: dict, scale: float, request) -> torch.Tensor:
         from tieredkv.plugins.onnx_ops import importance_score_model
 
         tensors = {k: v for k, v in inputs.items() if k != "weights"}
+        tensors["page_mask"] = tensors["page_mask"].to(torch.int32)  # plugin tensors cannot be bool
         return run_onnx(importance_score_model(inputs["weights"], scale), tensors)["score"]
     from tieredkv.plugins import cuda_ops
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from op_impls import IMPLEMENTATIONS, TOLERANCE, assert_close, assert_close_lse, check_node, on_cuda, run_onnx
 
-from tieredkv.plugins.codec import CODECS
+from tieredkv.plugins.codec import CODECS, as_words
 from tieredkv.plugins.inputs import tiered_attention_inputs, warm_inputs
 from tieredkv.plugins.tiered_attention import merge_attention, tiered_attention
 
@@ -42,6 +42,24 @@ def make(case: dict, seed: int, *, codec: str | None = None) -> dict:
     return inputs if codec is None else warm_inputs(gen, inputs, codec)
 
 
+def plugin_tensors(tensors: dict) -> dict:
+    """The node's input types: the page mask as int32, warm pages as int32 words."""
+    out = dict(tensors, page_mask=tensors["page_mask"].to(torch.int32))
+    if "warm_pool" in out:
+        out["warm_pool"] = as_words(out["warm_pool"])
+    return out
+
+
+def test_reference_takes_the_plugin_input_types():
+    """int32 masks and warm pages as int32 words give the reference's bool / uint8 results."""
+    gen = torch.Generator().manual_seed(5)
+    inputs = warm_inputs(gen, tiered_attention_inputs(gen, B=2, H=4, KVH=2, T=2, D=16, P=4, M=5, pad=1), "int4")
+    want = tiered_attention(**inputs)
+    got = tiered_attention(**plugin_tensors(inputs))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def run(impl: str, inputs: dict, scale: float, request) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, lse, page_probs) of TieredAttention by ``impl`` (``inputs``: the reference's arguments)."""
     codec = inputs.get("warm_codec")
@@ -53,6 +71,7 @@ def run(impl: str, inputs: dict, scale: float, request) -> tuple[torch.Tensor, t
 
         if codec is not None and CODECS[codec].keyframe:
             pytest.skip(f"{codec}: the delta codec has no ONNX form")
+        tensors = plugin_tensors(tensors)
         got = run_onnx(tiered_attention_model(scale, warm_codec=codec, page_shape=None if codec is None else (kvh, p, d)),
                        tensors)
         return got["out"], got["lse"], got["page_probs"]
