@@ -31,6 +31,9 @@ class KVSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype = torch.float32
+    #: where the model runs: the caches keep the K/V they attend over there (the tiered cache:
+    #: its device tier; host and disk tiers stay in host memory)
+    device: str = "cpu"
 
     @property
     def token_bytes_per_layer(self) -> int:
@@ -51,8 +54,8 @@ class Step:
 def causal_mask(past: torch.Tensor, num_new: int, kv_len: int) -> torch.Tensor:
     """Boolean mask [B, 1, T, S]: new token t of sequence b (absolute index past[b] + t)
     may attend key slot s iff s <= past[b] + t."""
-    t = torch.arange(num_new).view(1, 1, num_new, 1)
-    s = torch.arange(kv_len).view(1, 1, 1, kv_len)
+    t = torch.arange(num_new, device=past.device).view(1, 1, num_new, 1)
+    s = torch.arange(kv_len, device=past.device).view(1, 1, 1, kv_len)
     return s <= (past.view(-1, 1, 1, 1) + t)
 
 
@@ -153,7 +156,7 @@ class ContiguousKVCache(KVCache):
             kb = k[b] if prev_k is None else torch.cat([prev_k, k[b]], dim=1)
             vb = v[b] if prev_v is None else torch.cat([prev_v, v[b]], dim=1)
             self._k[sid][layer], self._v[sid][layer] = kb, vb
-            past = torch.tensor([step.past[b]])
+            past = torch.tensor([step.past[b]], device=q.device)
             mask = causal_mask(past, step.num_new, kb.shape[1])
             outs.append(attention(q[b : b + 1], kb.unsqueeze(0), vb.unsqueeze(0), mask))
         return torch.cat(outs, dim=0)

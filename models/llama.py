@@ -140,15 +140,20 @@ class Llama(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
     def kv_spec(self) -> KVSpec:
         c = self.config
-        return KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+        return KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, device=str(self.device))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 seq_ids: list[int] | tuple[int, ...], *, last_only: bool = False) -> torch.Tensor:
         """tokens, positions: [B, T] int64 (one row per sequence in ``seq_ids``, each with T new
         tokens). Returns logits [B, T, vocab] (float32), or [B, 1, vocab] with ``last_only``."""
         step = cache.begin_step(seq_ids, tokens.shape[1])
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
         x = self.embed_tokens(tokens)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         for layer in self.layers:

@@ -34,7 +34,7 @@ def distance_bucket(distance: torch.Tensor, num_buckets: int) -> torch.Tensor:
     per doubling, the last bucket open-ended."""
     # exact for integer distances: the number of thresholds 16 * 2^(i-1), i = 1..NB-1, reached
     # (a float32 log2 rounds up just below large powers of two)
-    thresholds = EXACT_TOKENS * 2.0 ** torch.arange(num_buckets - 1, dtype=torch.float64)
+    thresholds = EXACT_TOKENS * 2.0 ** torch.arange(num_buckets - 1, dtype=torch.float64, device=distance.device)
     return (distance.double().unsqueeze(-1) >= thresholds).sum(-1)
 
 
@@ -87,7 +87,7 @@ def _head_rank_of_bounds(ub: torch.Tensor, page_mask: torch.Tensor) -> torch.Ten
     m = ub.shape[-1]
     order = torch.sort(ub, dim=-1, descending=True, stable=True).indices
     page_mask = as_mask(page_mask)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(m).expand_as(order))
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(m, device=order.device).expand_as(order))
     score = 1.0 - rank.amin(dim=1).float() / m
     return torch.where(page_mask, score, torch.zeros_like(score))
 

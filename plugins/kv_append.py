@@ -33,6 +33,6 @@ def kv_append(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor, v
             if dst is not src:
                 dst.copy_(src)
     k_out, v_out = out
-    k_out[slot, :, offset] = k_new.to(k_out.dtype)
-    v_out[slot, :, offset] = v_new.to(v_out.dtype)
+    k_out[slot, :, offset] = k_new.to(k_out.device, k_out.dtype)
+    v_out[slot, :, offset] = v_new.to(v_out.device, v_out.dtype)
     return k_out, v_out

@@ -34,6 +34,6 @@ def select_pages(score: torch.Tensor, valid: torch.Tensor, pinned: torch.Tensor,
     order = torch.sort(score.float().masked_fill(~candidates, float("-inf")), dim=-1, descending=True,
                        stable=True).indices  # candidates best first, ties in column order
     take = attend_pages - (pinned & valid).sum(-1)
-    top = torch.zeros_like(candidates).scatter_(-1, order, torch.arange(m) < take.unsqueeze(-1)) & candidates
+    top = torch.zeros_like(candidates).scatter_(-1, order, torch.arange(m, device=score.device) < take.unsqueeze(-1)) & candidates
     every = (attend_pages >= valid.sum(-1)).unsqueeze(-1)
     return valid & (pinned | every | top)

@@ -101,9 +101,9 @@ def attention_over_pages(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.
     page_mask = as_mask(page_mask)
     k = k_pages.permute(0, 2, 1, 3, 4).reshape(b, kvh, m * p, d).float()
     v = v_pages.permute(0, 2, 1, 3, 4).reshape(b, kvh, m * p, d).float()
-    key_pos = (page_index.unsqueeze(-1) * p + torch.arange(p)).reshape(b, m * p)
+    key_pos = (page_index.unsqueeze(-1) * p + torch.arange(p, device=page_index.device)).reshape(b, m * p)
     valid = page_mask.repeat_interleave(p, dim=1) & (key_pos < seq_len.view(b, 1))
-    causal = key_pos.unsqueeze(1) <= (past.view(b, 1, 1) + torch.arange(t).view(1, t, 1))
+    causal = key_pos.unsqueeze(1) <= (past.view(b, 1, 1) + torch.arange(t, device=past.device).view(1, t, 1))
     allowed = (valid.unsqueeze(1) & causal).view(b, 1, 1, t, m * p)
     logits = torch.einsum("bkgtd,bksd->bkgts", q.float().view(b, kvh, g, t, d), k) * scale
     logits.masked_fill_(~allowed, float("-inf"))

@@ -148,9 +148,13 @@ class _Backend(abc.ABC):
         self.run_seconds = 0.0
         self.steps = 0
 
+    #: where the tiered cache keeps its device tier for this backend: on the GPU when the backend
+    #: runs there, so the pools are bound in place rather than copied to the device every step
+    kv_device = "cpu"
+
     def kv_spec(self) -> KVSpec:
         c = self.config
-        return KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32)
+        return KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, device=self.kv_device)
 
     def check_graph(self, inputs: dict[str, list], outputs: dict[str, list]) -> None:
         """The graph is the one config.json describes: the inputs and outputs of an engine with
@@ -264,7 +268,7 @@ class OnnxRuntimeBackend(_Backend):
         except Exception as exc:  # onnxruntime raises its own Fail / InvalidProtobuf / NoSuchFile types
             raise EngineError(f"{self.engine.graph}: ONNX Runtime cannot load the step graph ({type(exc).__name__}: "
                               f"{short(str(exc), 300)}); rebuild the engine") from None
-        self.device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
+        self.device = self.kv_device = "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.check_graph({i.name: i.shape for i in self.session.get_inputs()},
@@ -328,6 +332,7 @@ class TensorRTBackend(_Backend):
                               "another TensorRT version or GPU?)")
         self.context = self.trt_engine.create_execution_context()
         self.stream = torch.cuda.Stream()
+        self.kv_device = "cuda"
 
     def check_cache(self, cache: KVCache) -> None:
         """The common checks, and TensorRT's TopK limit: SelectPages ranks the attention budget

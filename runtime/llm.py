@@ -29,19 +29,44 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ConfigError(f"dtype {name!r} is not supported; expected one of {sorted(DTYPES)}") from None
 
 
+def resolve_device(name: str | None) -> torch.device:
+    """``cpu`` (default), ``cuda`` or ``cuda:N`` as a torch device, checked against what torch
+    sees here (ConfigError naming the problem otherwise)."""
+    if name is None:
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device {name!r} is not a device; expected cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {name!r}: expected cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise ConfigError(f"device {name!r}: torch {torch.__version__} ({build}) sees no CUDA GPU here; use "
+                              "--device cpu, or a machine with a GPU and a CUDA build of torch")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {name!r}: torch sees {torch.cuda.device_count()} GPU(s) (cuda:0 .. "
+                              f"cuda:{torch.cuda.device_count() - 1})")
+    return device
+
+
 class LLM:
     """A Llama model with a tokenizer and a paged KV cache configuration.
 
     ``model``: None (the default SmolLM2), a known model name, a .gguf file or an HF
     directory. Each ``generate`` call uses a fresh cache, so calls are independent.
+    ``device``: where the model runs (``cpu``, ``cuda``, ``cuda:N``); the plain cache's pools and
+    the tiered cache's device tier live there, its host and disk tiers in host memory.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "float32", cache: PagedCacheConfig | None = None,
                  kv: TieredKVConfig | None = None, prefill_chunk: int = 512,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, device: str | None = None) -> None:
+        target = resolve_device(device)
         path = resolve_model(model, log=log)
         loaded = load_checkpoint(path, dtype=parse_dtype(dtype))
-        self._init(loaded.model, loaded.tokenizer, cache, kv, prefill_chunk)
+        self._init(loaded.model.to(target), loaded.tokenizer, cache, kv, prefill_chunk)
         self.source = path
 
     @classmethod

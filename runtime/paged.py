@@ -55,8 +55,8 @@ class PagePool:
             capacity = min(capacity, max_pages)
         self.spec, self.page_size, self.max_pages = spec, page_size, max_pages
         shape = (capacity, spec.num_kv_heads, page_size, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=spec.dtype)
-        self.v = torch.zeros(shape, dtype=spec.dtype)
+        self.k = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+        self.v = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
         self._free: list[int] = list(range(capacity - 1, -1, -1))
 
     @property
@@ -80,8 +80,8 @@ class PagePool:
         if new <= old:
             return False
         pad = (new - old, *self.k.shape[1:])
-        self.k = torch.cat([self.k, torch.zeros(pad, dtype=self.k.dtype)])
-        self.v = torch.cat([self.v, torch.zeros(pad, dtype=self.v.dtype)])
+        self.k = torch.cat([self.k, torch.zeros(pad, dtype=self.k.dtype, device=self.k.device)])
+        self.v = torch.cat([self.v, torch.zeros(pad, dtype=self.v.dtype, device=self.v.device)])
         self._free = list(range(new - 1, old - 1, -1)) + self._free
         return True
 
@@ -178,8 +178,9 @@ class PagedKVCache(KVCache):
                 rows.append(b)
                 cols.append(t)
             self._len[sid][layer] = start + step.num_new
-        p, o = torch.tensor(pages), torch.tensor(offs)
-        r, c = torch.tensor(rows), torch.tensor(cols)
+        dev = pool.k.device
+        p, o = torch.tensor(pages, device=dev), torch.tensor(offs, device=dev)
+        r, c = torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)
         # k[r, :, c] is [N, KVH, D]; pool.k[p, :, o] addresses the same shape.
         pool.k[p, :, o] = k[r, :, c]
         pool.v[p, :, o] = v[r, :, c]
@@ -190,11 +191,12 @@ class PagedKVCache(KVCache):
         pool = self.pools[layer]
         tables = [self.tables[s][layer] for s in seq_ids]
         max_pages = max(len(t) for t in tables)
-        idx = torch.tensor([t + [t[-1]] * (max_pages - len(t)) for t in tables])  # pad with a real page id
+        idx = torch.tensor([t + [t[-1]] * (max_pages - len(t)) for t in tables],  # pad with a real page id
+                           device=pool.k.device)
         b = len(tables)
         k = pool.k[idx].permute(0, 2, 1, 3, 4).reshape(b, self.spec.num_kv_heads, max_pages * self.page_size, -1)
         v = pool.v[idx].permute(0, 2, 1, 3, 4).reshape(b, self.spec.num_kv_heads, max_pages * self.page_size, -1)
-        lengths = torch.tensor([self._len[s][layer] for s in seq_ids])
+        lengths = torch.tensor([self._len[s][layer] for s in seq_ids])  # host: read by Python
         return k, v, lengths
 
     def attend(self, step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -202,7 +204,7 @@ class PagedKVCache(KVCache):
         keys, values, lengths = self.gather(layer, step.seq_ids)
         max_len = int(lengths.max())
         keys, values = keys[:, :, :max_len], values[:, :, :max_len]
-        mask = causal_mask(torch.tensor(step.past), step.num_new, max_len)
+        mask = causal_mask(torch.tensor(step.past, device=q.device), step.num_new, max_len)
         return attention(q, keys, values, mask)
 
     # ------------------------------------------------------------------ accounting

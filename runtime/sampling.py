@@ -78,9 +78,12 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token id from logits [V] (float32)."""
+    """One token id from logits [V] (float32). Seeded sampling draws on the generator's device
+    (the logits go there): the same seed gives the same tokens whatever device the model runs on."""
     if params.greedy:
         return int(torch.argmax(logits))
+    if generator is not None and logits.device != generator.device:
+        logits = logits.to(generator.device)
     logits = filter_logits(logits / params.temperature, params.top_k, params.top_p)
     probs = logits.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))

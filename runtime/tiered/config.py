@@ -570,8 +570,9 @@ def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_
         if attention_pages < config.t0_pages:
             raise ConfigError(f"attention_budget {att} = {attention_pages} page(s) cannot cover T0 "
                               f"({config.t0_pages} pages: sinks, recent window, hot page)")
-    elif device_pages is not None:
-        # default: attend to as many pages as can be resident for one sequence
+    elif device_pages is not None and config.budgets.attention is None:
+        # default: attend to as many pages as can be resident for one sequence ('100%' or
+        # 'unlimited' given explicitly: every page, the non-resident ones fetched or masked)
         attention_pages = (device_pages - staging) // num_sequences
     warm_pages = warm_given = 0
     if device_pages is not None and config.warm.codec is not None:

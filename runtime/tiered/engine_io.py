@@ -153,7 +153,8 @@ class StepOutputs(_GraphTensors):
 
 
 def step_feeds(cache, *, tiered_graph: bool, warm_codec: str | None = None) -> StepFeeds:
-    """The inputs of the graph for the cache's open step (``TieredKVCache.begin_step``), as CPU
+    """The inputs of the graph for the cache's open step (``TieredKVCache.begin_step``): the
+    pools where the cache's device tier lives (bound in place by the backends), the rest CPU
     tensors; ``input_ids`` and ``positions`` are the caller's.
 
     A listed page is in a layer's pool when it is resident in full precision, or staged for

@@ -87,13 +87,14 @@ class TierManager:
     def __init__(self, *, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  config: TieredKVConfig, budgets: ResolvedBudgets, policy: ReplacementPolicy,
                  page_bytes: int | None = None, next_use: Callable[[PageTable], torch.Tensor] | None = None,
-                 keep_decoded_warm: bool = False, prefetcher=None) -> None:
+                 keep_decoded_warm: bool = False, prefetcher=None, device: str | torch.device = "cpu") -> None:
         self.L, self.P = num_layers, config.page_size
         self.config, self.budgets, self.policy = config, budgets, policy
         self.kv_heads, self.head_dim = kv_heads, head_dim
         unlimited = policy.unlimited or budgets.device_pages is None
         self.resident_cap = None if unlimited else budgets.resident_pages
-        self.device = TierPool("device", num_layers, kv_heads, self.P, head_dim, dtype, self.resident_cap)
+        self.device = TierPool("device", num_layers, kv_heads, self.P, head_dim, dtype, self.resident_cap,
+                               device=device)
         self.host = TierPool("host", num_layers, kv_heads, self.P, head_dim, dtype, budgets.host_pages, pin=True)
         disk_path = config.budgets.disk_path
         self.disk = DiskPool(disk_path, num_layers, kv_heads, self.P, head_dim, dtype) if disk_path else None
@@ -390,8 +391,9 @@ class TierManager:
         t = self.table
         recs = plan.write_recs
         pools = (self.device.k[layer], self.device.v[layer])
-        kv_append(*pools, k, v, t.device_slot[layer, recs], plan.write_offsets, out=pools)
-        kf = k.float()
+        dev = self.device.device
+        kv_append(*pools, k, v, t.device_slot[layer, recs].to(dev), plan.write_offsets.to(dev), out=pools)
+        kf = k.float().to(t.kmin.device)  # the summaries and every decision live on the host
         idx = recs.view(-1, 1, 1).expand_as(kf)
         t.kmin[layer].scatter_reduce_(0, idx, kf, "amin")
         t.kmax[layer].scatter_reduce_(0, idx, kf, "amax")
@@ -422,13 +424,15 @@ class TierManager:
         t = self.table
         if self._pending:
             self._settle()
+        dev = self.device.device  # the pages come back where the device pool lives
         if isinstance(layers, int):
             dslot = t.device_slot[layers].index_select(0, recs)
             if bool((dslot >= 0).all()):  # the common case: a view of the pool, one gather
+                dslot = dslot.to(dev)
                 return (self.device.k[layers].index_select(0, dslot).to(dtype),
                         self.device.v[layers].index_select(0, dslot).to(dtype))
             layers = torch.full_like(recs, layers)
-        k = torch.empty((len(recs), self.kv_heads, self.P, self.head_dim), dtype=dtype)
+        k = torch.empty((len(recs), self.kv_heads, self.P, self.head_dim), dtype=dtype, device=dev)
         v = torch.empty_like(k)
         dslot, wslot, hslot = t.device_slot[layers, recs], t.warm_slot[layers, recs], t.host_slot[layers, recs]
         full, warm = dslot >= 0, (dslot < 0) & (wslot >= 0) & (not exact)
@@ -444,8 +448,9 @@ class TierManager:
                 if bool((slots[idx] < 0).any()):
                     raise RuntimeError("internal: a page has no copy in any tier")  # the invariant tests guard this
             ks, vs = read(layers[idx], slots[idx])
-            k.index_copy_(0, idx, ks.to(dtype))
-            v.index_copy_(0, idx, vs.to(dtype))
+            idx = idx.to(dev)
+            k.index_copy_(0, idx, ks.to(dev, dtype, non_blocking=True))
+            v.index_copy_(0, idx, vs.to(dev, dtype, non_blocking=True))
         return k, v
 
     def record_access(self, layer: int | slice, seq: SeqStep, *, decode: bool, selected: torch.Tensor,

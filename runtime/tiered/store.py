@@ -46,10 +46,12 @@ class TierPool:
     STORES = ("k", "v")
 
     def __init__(self, name: str, num_layers: int, kv_heads: int, page_size: int, head_dim: int,
-                 dtype: torch.dtype, capacity: int | None, *, pin: bool = False, initial: int = 16) -> None:
+                 dtype: torch.dtype, capacity: int | None, *, pin: bool = False, initial: int = 16,
+                 device: str | torch.device = "cpu") -> None:
         self.name, self.num_layers = name, num_layers
         self.page_shape = (kv_heads, page_size, head_dim)
         self.dtype, self.pin = dtype, pin
+        self.device = torch.device(device)  # where the pages live; the bookkeeping stays on the host
         self.max_capacity = capacity
         cap = initial if capacity is None else min(capacity, initial)
         self.k = self._new(cap)
@@ -58,8 +60,9 @@ class TierPool:
         self.element_size = self.k.element_size()
 
     def _new(self, cap: int) -> torch.Tensor:
-        t = torch.zeros((self.num_layers, cap, *self.page_shape), dtype=self.dtype)
-        return t.pin_memory() if self.pin and torch.cuda.is_available() else t
+        t = torch.zeros((self.num_layers, cap, *self.page_shape), dtype=self.dtype, device=self.device)
+        # host pages a GPU copies from: page-locked, so host->device copies run asynchronously
+        return t.pin_memory() if self.pin and self.device.type == "cpu" and torch.cuda.is_available() else t
 
     @property
     def capacity(self) -> int:
@@ -208,7 +211,7 @@ class DiskPool(TierPool):
                  dtype: torch.dtype, *, initial: int = 64) -> None:
         self.name, self.num_layers = "T4", num_layers
         self.page_shape = (kv_heads, page_size, head_dim)
-        self.dtype, self.max_capacity = dtype, None
+        self.dtype, self.max_capacity, self.device = dtype, None, torch.device("cpu")
         self.np_dtype = torch.empty(0, dtype=dtype).numpy().dtype if dtype != torch.bfloat16 else np.uint16
         self.element_size = torch.empty(0, dtype=dtype).element_size()
         self.path = create_t4_file(path)
@@ -285,7 +288,7 @@ class WarmPool(TierPool):
         self.name, self.num_layers = "warm", num_layers
         self.codec, self.shape = codec, shape
         self.page_shape = (page_bytes(codec, *shape),)
-        self.dtype, self.pin = torch.uint8, False
+        self.dtype, self.pin, self.device = torch.uint8, False, torch.device("cpu")
         self.max_capacity = capacity
         cap = min(capacity, initial)
         self.data = self._new(cap)

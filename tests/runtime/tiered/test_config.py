@@ -156,3 +156,12 @@ def test_any_mapping_is_a_config_or_a_config_error(mapping):
         TieredKVConfig.from_mapping(mapping)
     except ConfigError as exc:
         assert len(str(exc)) < 2000
+
+
+@pytest.mark.parametrize("given,pages", [(None, 12), ("100%", None), ("unlimited", None), ("50%", 33)])
+def test_attention_budget_default_and_unlimited(given, pages):
+    """No attention budget: what fits in the device budget; '100%' / 'unlimited': every page."""
+    kw = {} if given is None else {"attention_budget": given}
+    b = resolve_budgets(TieredKVConfig(device_budget="25%", **kw), num_layers=30, token_bytes_per_layer=1536,
+                        full_tokens=1032)
+    assert (b.device_pages, b.attention_pages) == (16, pages)
