@@ -63,6 +63,7 @@ from tieredkv.runtime.tiered.page_table import HIST_MASK, PageTable, PageTableSt
 from tieredkv.runtime.tiered.policies import PageStats, ReplacementPolicy
 from tieredkv.runtime.tiered.step import TIER_CODES, SeqStep, StepAccess, StepPlan
 from tieredkv.runtime.tiered.store import DiskPool, TierPool, WarmPool, _rank_within_groups
+from tieredkv.runtime.tiered.transfers import Transfers
 
 INF = float("inf")
 
@@ -105,6 +106,7 @@ class TierManager:
             self.warm = WarmPool(num_layers, CODECS[config.warm.codec], (kv_heads, self.P, head_dim),
                                  budgets.warm_pages, keep_decoded=keep_decoded_warm)
         self.staging_pages = 0 if unlimited else budgets.staging_pages
+        self.transfers = Transfers(device)  # batched host <-> device copies (copy streams on CUDA)
         self.page_bytes = self.device.page_bytes if page_bytes is None else page_bytes
         self.next_use = next_use
         self.prefetcher = prefetcher
@@ -448,9 +450,11 @@ class TierManager:
                 if bool((slots[idx] < 0).any()):
                     raise RuntimeError("internal: a page has no copy in any tier")  # the invariant tests guard this
             ks, vs = read(layers[idx], slots[idx])
+            if slots is not dslot:  # off the device: one batched copy per tier
+                ks, vs = self.transfers.to_device(ks, vs, dtype=dtype, pages=len(idx))
             idx = idx.to(dev)
-            k.index_copy_(0, idx, ks.to(dev, dtype, non_blocking=True))
-            v.index_copy_(0, idx, vs.to(dev, dtype, non_blocking=True))
+            k.index_copy_(0, idx, ks.to(dtype))
+            v.index_copy_(0, idx, vs.to(dtype))
         return k, v
 
     def record_access(self, layer: int | slice, seq: SeqStep, *, decode: bool, selected: torch.Tensor,
@@ -572,7 +576,8 @@ class TierManager:
         leaving = torch.zeros(self.L, t.capacity, dtype=torch.bool)
         leaving[layers, recs] = True
         self._ensure_host_room(torch.bincount(dirty_layers, minlength=self.L), leaving)
-        k, v = self.device.read(dirty_layers, t.device_slot[dirty_layers, dirty_recs])
+        k, v = self.transfers.to_host(*self.device.read(dirty_layers, t.device_slot[dirty_layers, dirty_recs]),
+                                      pages=len(dirty_recs))
         to_host = torch.ones(len(dirty_recs), dtype=torch.bool)
         if self.host.max_capacity is not None:
             rank, _ = _rank_within_groups(dirty_layers, self.L)
@@ -729,6 +734,7 @@ class TierManager:
         if self._reader is not None:
             self._reader.shutdown(wait=True)
             self._reader = None
+        self.transfers.close()
 
     # ------------------------------------------------------------------ decisions
     def _stats(self) -> PageStats:

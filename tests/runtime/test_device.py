@@ -24,12 +24,14 @@ from tieredkv.runtime.tiered.config import TieredKVConfig
 
 SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2)
 PROMPTS = [list(range(5, 205)), list(range(300, 333))]
+WORK = dict(full_tokens=212, num_sequences=2)  # the longest prompt + 12 new tokens, two sequences
 TIERED = {
     "unlimited": dict(),
-    "exact-25": dict(device_budget="25%"),
-    "masked-25": dict(device_budget="25%", mode="masked"),
-    "warm-int4": dict(device_budget="25%", warm_codec="int4"),
-    "prefetch-last": dict(device_budget="25%", attention_budget="12.5%", prefetch_predictor="last"),
+    "exact-40": dict(device_budget="40%"),
+    "exact-40-attend-all": dict(device_budget="40%", attention_budget="100%"),
+    "masked-40": dict(device_budget="40%", mode="masked"),
+    "warm-int4": dict(device_budget="40%", warm_codec="int4"),
+    "prefetch-last": dict(device_budget="40%", attention_budget="20%", prefetch_predictor="last"),
 }
 
 
@@ -74,13 +76,18 @@ def _runs(model, device: str, make_cache):
 def test_tiered_cache_on_cuda_equals_cpu(name):
     model = tiny_model(seed=3)
     cfg = TieredKVConfig(**SMALL, **TIERED[name])
-    cpu_tokens, cpu_cache = _runs(model, "cpu", lambda m: TieredKVCache(m.kv_spec(), cfg))
-    gpu_tokens, gpu_cache = _runs(model, "cuda", lambda m: TieredKVCache(m.kv_spec(), cfg))
+    cpu_tokens, cpu_cache = _runs(model, "cpu", lambda m: TieredKVCache(m.kv_spec(), cfg, **WORK))
+    gpu_tokens, gpu_cache = _runs(model, "cuda", lambda m: TieredKVCache(m.kv_spec(), cfg, **WORK))
     assert gpu_cache.mgr.device.k.device.type == "cuda" and gpu_cache.mgr.host.k.device.type == "cpu"
     assert gpu_tokens == cpu_tokens
     a, b = cpu_cache.metrics, gpu_cache.metrics
     assert (a.misses, a.fetched_pages, a.evicted_pages, a.bytes_h2d) == (b.misses, b.fetched_pages, b.evicted_pages,
                                                                          b.bytes_h2d)
+    # the same batched copies, now over the copy streams through pinned staging buffers
+    assert cpu_cache.mgr.transfers.stats.h2d_pages == gpu_cache.mgr.transfers.stats.h2d_pages
+    assert gpu_cache.mgr.transfers.stats.h2d_copies == cpu_cache.mgr.transfers.stats.h2d_copies
+    gpu_cache.close()
+    assert gpu_cache.mgr.transfers.in_flight() == 0  # no staging buffer left in use
 
 
 @pytest.mark.cuda
@@ -91,7 +98,8 @@ def test_paged_cache_and_logits_on_cuda_equal_cpu():
     for dev in ("cpu", "cuda"):
         m = copy.deepcopy(model).to(dev)
         for kind, cache in (("paged", PagedKVCache(m.kv_spec())),
-                            ("tiered", TieredKVCache(m.kv_spec(), TieredKVConfig(**SMALL, device_budget="25%")))):
+                            ("tiered", TieredKVCache(m.kv_spec(), TieredKVConfig(**SMALL, device_budget="50%"),
+                                                     full_tokens=150))):
             logits[dev, kind] = prefill(m, cache, cache.add_sequence(), tokens, chunk_size=40, all_logits=True).cpu()
     for kind in ("paged", "tiered"):
         assert (logits["cpu", kind] - logits["cuda", kind]).abs().max().item() <= 1e-4
