@@ -306,6 +306,7 @@ class RemoteTier:
         recs = torch.tensor([r for _, r in todo], dtype=torch.long)
         layers = torch.arange(self.L).repeat_interleave(len(todo))
         k, v = mgr.read_pages(layers, recs.repeat(self.L), self.dtype, exact=True)  # [L * n, KVH, P, D]
+        k, v = mgr.transfers.to_host(k, v, pages=len(recs) * self.L)  # one copy down when the device tier is a GPU
         k = k.view(self.L, len(todo), self.kvh, self.P, self.D)
         v = v.view(self.L, len(todo), self.kvh, self.P, self.D)
         for i, (key, _) in enumerate(todo):
