@@ -18,10 +18,21 @@ build/plugins && cmake --build build/plugins``). A library that is missing, cann
 or does not match this binding raises :class:`tieredkv.errors.KernelLibraryError`.
 
 Errors: a tensor of the wrong dtype or shape, not contiguous, or not on one CUDA device (the
-host codec functions: not on the CPU) raises ``ValueError`` naming the argument, before the
+host functions: not on the CPU) raises ``ValueError`` naming the argument, before the
 library is loaded; so do sizes outside the kernels' limits (head dim 0 < D <= 256, H a
 multiple of KVH). A nonzero status of the C call (a launch error; execution errors surface
 when the stream is synchronized) raises ``RuntimeError`` with ``tkv_error_string``'s text.
+
+Input types follow the TensorRT plugins where those differ from the references: page masks
+are int32 (nonzero = kept; a bool mask is converted, one small copy), warm pools are the
+encoded bytes as uint8 [W, NB] or as int32 words [W, NB / 4] (``codec.as_words``), and the
+TieredAttention pools may be float32, float16 or bfloat16.
+
+TieredAttention is split-K flash-decoding (docs/plugins.md, "CUDA kernels"): the split plan
+comes from the library (:func:`attention_plan`); the ops allocate its workspace
+(:func:`attention_workspace_bytes`) through torch's caching allocator unless ``workspace=`` is
+given. :func:`tiered_attention_host` runs the same algorithm on the CPU (the library's host
+emulation), so the split / merge arithmetic is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -35,10 +46,10 @@ import torch
 
 from tieredkv.errors import KernelLibraryError
 
-__all__ = ["CODEC_SECTIONS", "DEFAULT_LIBRARY", "ENV_VAR", "MAX_HEAD_DIM", "CodecDesc", "KernelLibraryError",
-           "codec_desc", "decode_pages", "decode_pages_host", "encode_pages", "encode_pages_host",
-           "importance_score", "kv_append", "library_path", "load_library", "tiered_attention",
-           "tiered_attention_warm"]
+__all__ = ["CODEC_SECTIONS", "DEFAULT_LIBRARY", "ENV_VAR", "KV_DTYPES", "MAX_HEAD_DIM", "MAX_SPLITS", "CodecDesc",
+           "KernelLibraryError", "attention_plan", "attention_workspace_bytes", "codec_desc", "decode_pages",
+           "decode_pages_host", "encode_pages", "encode_pages_host", "importance_score", "kv_append", "library_path",
+           "load_library", "tiered_attention", "tiered_attention_host", "tiered_attention_warm"]
 
 #: environment variable naming the library when no ``lib=`` is given
 ENV_VAR = "TIEREDKV_KERNELS"
@@ -46,6 +57,10 @@ ENV_VAR = "TIEREDKV_KERNELS"
 DEFAULT_LIBRARY = Path(__file__).resolve().parents[1] / "build" / "plugins" / "libtieredkv_kernels.so"
 #: the kernels' largest head dim (kMaxHeadDim of plugins/csrc/kernels/common.cuh)
 MAX_HEAD_DIM = 256
+#: TieredAttention pool element types -> TKV_DTYPE_* of tieredkv_kernels.h
+KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+#: most splits of the TieredAttention split plan (kMaxSplits of kernels/tiered_attention.cuh)
+MAX_SPLITS = 128
 #: sections of an encoded page in layout order: the index of ``CodecDesc.offset[role][.]`` and
 #: ``CodecDesc.bytes[role][.]`` (TKV_SECTION_* of tieredkv_kernels.h)
 CODEC_SECTIONS = ("codes", "scale", "zero", "rcodes", "rscale", "keyframes")
@@ -99,11 +114,19 @@ def load_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
     desc = ctypes.POINTER(CodecDesc)
     try:
-        lib.tkv_tiered_attention.argtypes = [p] * 11 + [i64] * 8 + [f32, p]
+        # q .. page_probs, B H T D C KVH P M, scale, kv_dtype, ...
+        attention = [p] * 11 + [i64] * 8 + [f32, i32]
+        lib.tkv_tiered_attention.argtypes = attention + [p, i64, i32, p]  # workspace, bytes, num_splits, stream
         lib.tkv_tiered_attention.restype = ctypes.c_int
-        # ... then warm_pool, warm_row, W, desc, stream
-        lib.tkv_tiered_attention_warm.argtypes = [p] * 11 + [i64] * 8 + [f32, p, p, i64, desc, p]
+        # ... warm_pool, warm_row, W, desc, then as above
+        lib.tkv_tiered_attention_warm.argtypes = attention + [p, p, i64, desc, p, i64, i32, p]
         lib.tkv_tiered_attention_warm.restype = ctypes.c_int
+        lib.tkv_tiered_attention_host.argtypes = attention + [p, p, i64, desc, i32, i32]  # ..., sm_count, num_splits
+        lib.tkv_tiered_attention_host.restype = ctypes.c_int
+        lib.tkv_tiered_attention_workspace.argtypes = [i64] * 6
+        lib.tkv_tiered_attention_workspace.restype = i64
+        lib.tkv_tiered_attention_plan.argtypes = [i64] * 6 + [i32, i32, i64, p, p]
+        lib.tkv_tiered_attention_plan.restype = ctypes.c_int
         lib.tkv_codec_desc.argtypes = [ctypes.c_char_p, i64, i64, i64, desc]
         lib.tkv_codec_desc.restype = ctypes.c_int
         lib.tkv_codec_desc_sizeof.argtypes = []
@@ -310,14 +333,32 @@ def decode_pages(data: torch.Tensor, desc: CodecDesc, *, out: tuple[torch.Tensor
     return k, v
 
 
-def _attention_args(q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, out):
+def _mask(name: str, mask, shape: tuple[int, ...]) -> torch.Tensor:
+    """A page mask as the kernels take it: int32 [B, M] (nonzero = kept); a bool mask is converted."""
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        _arg(name, mask, torch.bool, "[B, M]", shape)
+        return mask.to(torch.int32)
+    _arg(name, mask, torch.int32, "[B, M]", shape)
+    return mask
+
+
+def _pools(k_pool, v_pool, d: int) -> tuple[int, int, int]:
+    """The TieredAttention pools: one dtype of :data:`KV_DTYPES`, [C, KVH, P, D]; (C, KVH, P)."""
+    if isinstance(k_pool, torch.Tensor) and k_pool.dtype not in KV_DTYPES:
+        raise ValueError(f"k_pool: expected dtype float32, float16 or bfloat16, got {k_pool.dtype}")
+    dtype = k_pool.dtype if isinstance(k_pool, torch.Tensor) else torch.float32
+    c, kvh, p, _ = _arg("k_pool", k_pool, dtype, "[C, KVH, P, D]", (None, None, None, d))
+    _arg("v_pool", v_pool, dtype, "[C, KVH, P, D]", k_pool.shape)
+    return c, kvh, p
+
+
+def _attention_args(q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, out, *, host: bool = False):
     """Checks TieredAttention's tensors but their device; returns (sizes (B, H, T, D, C, KVH, P, M),
-    (out, lse, page_probs), the (name, tensor) pairs for :func:`_device`)."""
+    the int32 page mask, (out, lse, page_probs), the (name, tensor) pairs for :func:`_device`)."""
     b, h, t, d = _arg("q", q, torch.float32, "[B, H, T, D]", (None,) * 4)
-    c, kvh, p, _ = _arg("k_pool", k_pool, torch.float32, "[C, KVH, P, D]", (None, None, None, d))
-    _arg("v_pool", v_pool, torch.float32, "[C, KVH, P, D]", k_pool.shape)
+    c, kvh, p = _pools(k_pool, v_pool, d)
     m = _arg("page_table", page_table, torch.int64, "[B, M]", (b, None))[1]
-    _arg("page_mask", page_mask, torch.bool, "[B, M]", (b, m))
+    mask = _mask("page_mask", page_mask, (b, m))
     _arg("page_index", page_index, torch.int64, "[B, M]", (b, m))
     _arg("seq_len", seq_len, torch.int64, "[B]", (b,))
     _arg("past", past, torch.int64, "[B]", (b,))
@@ -333,12 +374,82 @@ def _attention_args(q, k_pool, v_pool, page_table, page_mask, page_index, seq_le
     named = (("q", q), ("k_pool", k_pool), ("v_pool", v_pool), ("page_table", page_table), ("page_mask", page_mask),
              ("page_index", page_index), ("seq_len", seq_len), ("past", past), ("out[0] (out)", o),
              ("out[1] (lse)", lse), ("out[2] (page_probs)", probs))
-    return (b, h, t, d, c, kvh, p, m), (o, lse, probs), named
+    return (b, h, t, d, c, kvh, p, m), mask, (o, lse, probs), named
+
+
+def _warm_args(warm_pool, warm_row, desc, sizes) -> tuple[int, tuple]:
+    """Checks the warm inputs against the pools' sizes; returns (W, (name, tensor) pairs). The pool
+    is uint8 bytes [W, page_bytes] or int32 words [W, page_bytes / 4] (the same bytes)."""
+    b, _, _, d, _, kvh, p, m = sizes
+    _desc(desc, kvh, p, d, of="the pools [C, KVH, P, D]")
+    if isinstance(warm_pool, torch.Tensor) and warm_pool.dtype not in (torch.uint8, torch.int32):
+        raise ValueError(f"warm_pool: expected uint8 bytes [W, page_bytes] or int32 words [W, page_bytes / 4], "
+                         f"got {warm_pool.dtype}")
+    if isinstance(warm_pool, torch.Tensor) and warm_pool.dtype == torch.int32:
+        if desc.page_bytes % 4:
+            raise ValueError(f"warm_pool: int32 words need pages of a multiple of 4 bytes, the codec's are "
+                             f"{desc.page_bytes}")
+        w = _arg("warm_pool", warm_pool, torch.int32, "[W, page_bytes / 4]", (None, desc.page_bytes // 4))[0]
+    else:
+        w = _arg("warm_pool", warm_pool, torch.uint8, "[W, page_bytes]", (None, desc.page_bytes))[0]
+    _arg("warm_row", warm_row, torch.int64, "[B, M]", (b, m))
+    return w, (("warm_pool", warm_pool), ("warm_row", warm_row))
+
+
+def _splits(num_splits: int) -> int:
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or not 0 <= num_splits:
+        raise ValueError(f"num_splits: expected an int >= 0 (0: the library chooses), got {num_splits!r}")
+    return num_splits
+
+
+def attention_plan(B: int, H: int, T: int, D: int, KVH: int, M: int, *, sm_count: int, num_splits: int = 0,
+                   workspace_bytes: int | None = None,
+                   lib: ctypes.CDLL | str | os.PathLike | None = None) -> tuple[int, int]:
+    """The TieredAttention split plan (``tkv_tiered_attention_plan``) for these sizes on a device of
+    ``sm_count`` SMs: (splits, pages per split). ``num_splits`` 0 lets the library choose, else asks
+    for that many; ``workspace_bytes`` (default: unlimited) lowers the count to what it holds.
+    Runs on the host."""
+    lib = _library(lib)
+    splits, per_split = ctypes.c_int32(), ctypes.c_int32()
+    ws = (1 << 62) if workspace_bytes is None else workspace_bytes
+    status = lib.tkv_tiered_attention_plan(B, H, T, D, KVH, M, sm_count, _splits(num_splits), ws,
+                                           ctypes.byref(splits), ctypes.byref(per_split))
+    if status != 0:
+        raise ValueError(f"tkv_tiered_attention_plan({B}, {H}, {T}, {D}, {KVH}, {M}, sm_count={sm_count}): "
+                         f"{lib.tkv_error_string(status).decode()}")
+    return splits.value, per_split.value
+
+
+def attention_workspace_bytes(B: int, H: int, T: int, D: int, KVH: int, M: int, *, num_splits: int = 0,
+                              lib: ctypes.CDLL | str | os.PathLike | None = None) -> int:
+    """Bytes of workspace TieredAttention needs: with ``num_splits`` 0 the library's bound of every
+    plan (``tkv_tiered_attention_workspace``, non-decreasing in every size); else what that many
+    splits take (splits * B*H*T * (D + 2) * 4, 0 for one split)."""
+    lib = _library(lib)
+    if _splits(num_splits) == 0:
+        return int(lib.tkv_tiered_attention_workspace(B, H, T, D, KVH, M))
+    splits, _ = attention_plan(B, H, T, D, KVH, M, sm_count=1, num_splits=num_splits, lib=lib)
+    return 0 if splits == 1 else splits * B * H * T * (D + 2) * 4
+
+
+def _workspace(workspace, sizes, num_splits: int, device: torch.device, lib: ctypes.CDLL) -> tuple[int, int]:
+    """(pointer, bytes) of the op's workspace: the given uint8 tensor, else a fresh one from torch's
+    caching allocator of :func:`attention_workspace_bytes`."""
+    b, h, t, d, _, kvh, _, m = sizes
+    if workspace is None:
+        nbytes = attention_workspace_bytes(b, h, t, d, kvh, m, num_splits=num_splits, lib=lib)
+        if nbytes == 0:
+            return 0, 0
+        workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    _arg("workspace", workspace, torch.uint8, "[bytes]", (None,))
+    if workspace.device != device:
+        raise ValueError(f"workspace: expected a tensor on {device}, got one on {workspace.device}")
+    return workspace.data_ptr(), workspace.numel()
 
 
 def tiered_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
                      page_mask: torch.Tensor, page_index: torch.Tensor, seq_len: torch.Tensor, past: torch.Tensor,
-                     *, scale: float | None = None,
+                     *, scale: float | None = None, num_splits: int = 0, workspace: torch.Tensor | None = None,
                      out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                      lib: ctypes.CDLL | str | os.PathLike | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -350,30 +461,39 @@ def tiered_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 
     * q [B, H, T, D] float32: query t of sequence b sits at position ``past[b] + t``; query
       head h reads kv head ``h // (H // KVH)`` (H a multiple of KVH);
-    * k_pool, v_pool [C, KVH, P, D] float32: the page pool; slot o of a page holds one token;
+    * k_pool, v_pool [C, KVH, P, D] float32, float16 or bfloat16 (both one dtype; accumulated in
+      float32): the page pool; slot o of a page holds one token;
     * page_table [B, M] int64: pool page of each listed page (outside [0, C): treated as masked);
-    * page_mask [B, M] bool: False removes the page;
+    * page_mask [B, M] int32 (nonzero = kept) or bool;
     * page_index [B, M] int64: logical page index; slot o holds position ``page_index * P + o``;
     * seq_len [B] int64: positions >= seq_len are empty;
     * past [B] int64: query t sees position p iff ``p <= past + t``;
-    * scale: logit scale (default D ** -0.5).
+    * scale: logit scale (default D ** -0.5);
+    * num_splits: 0 lets the library choose the split-K plan from M and the device's SMs, else
+      the number of splits asked for (see :func:`attention_plan`);
+    * workspace: a uint8 CUDA tensor for the splits' partials (default: allocated here, of
+      :func:`attention_workspace_bytes`); a smaller one lowers the split count.
 
     Returns (or writes ``out``) float32 on q's device: out [B, H, T, D] (zeros for a query that
     sees no key), lse [B, H, T] (log-sum-exp of the scaled logits; -inf when nothing is seen),
     page_probs [B, H, T, M] (softmax mass on each listed page)."""
-    sizes, outs, named = _attention_args(q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, out)
+    sizes, mask, outs, named = _attention_args(q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past,
+                                               out)
+    num_splits = _splits(num_splits)
     device = _device(*named)
     scale = sizes[3] ** -0.5 if scale is None else scale
     lib = _library(lib)
-    ptrs = [x.data_ptr() for x in (q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, *outs)]
-    _launch(lib, "tkv_tiered_attention", device, *ptrs, *sizes, scale)
+    ws, ws_bytes = _workspace(workspace, sizes, num_splits, device, lib)
+    ptrs = [x.data_ptr() for x in (q, k_pool, v_pool, page_table, mask, page_index, seq_len, past, *outs)]
+    _launch(lib, "tkv_tiered_attention", device, *ptrs, *sizes, scale, KV_DTYPES[k_pool.dtype], ws, ws_bytes,
+            num_splits)
     return outs
 
 
 def tiered_attention_warm(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
                           page_mask: torch.Tensor, page_index: torch.Tensor, seq_len: torch.Tensor,
                           past: torch.Tensor, warm_pool: torch.Tensor, warm_row: torch.Tensor, desc: CodecDesc, *,
-                          scale: float | None = None,
+                          scale: float | None = None, num_splits: int = 0, workspace: torch.Tensor | None = None,
                           out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                           lib: ctypes.CDLL | str | os.PathLike | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -382,22 +502,56 @@ def tiered_attention_warm(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
 
     The arguments and returns of :func:`tiered_attention`, plus (CUDA, q's device, contiguous):
 
-    * warm_pool [W, desc.page_bytes] uint8: W pages encoded as by :func:`encode_pages`;
+    * warm_pool: W pages encoded as by :func:`encode_pages`, as bytes [W, desc.page_bytes]
+      uint8 or as int32 words [W, desc.page_bytes / 4] (``codec.as_words``; the plugin's form);
     * warm_row [B, M] int64: warm-pool row of listed page m; < 0: the page is read from the
       pools through page_table; >= W: treated as masked. A kept page with a row in [0, W) is
       decoded per element on the fly (bit-exact with ``codec.decode_pages``);
     * desc: :func:`codec_desc` of the warm codec for the pools' [KVH, P, D]."""
-    sizes, outs, named = _attention_args(q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, out)
-    b, _, _, d, _, kvh, p, m = sizes
-    _desc(desc, kvh, p, d, of="the pools [C, KVH, P, D]")
-    w = _arg("warm_pool", warm_pool, torch.uint8, "[W, page_bytes]", (None, desc.page_bytes))[0]
-    _arg("warm_row", warm_row, torch.int64, "[B, M]", (b, m))
-    device = _device(*named, ("warm_pool", warm_pool), ("warm_row", warm_row))
+    sizes, mask, outs, named = _attention_args(q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past,
+                                               out)
+    w, warm_named = _warm_args(warm_pool, warm_row, desc, sizes)
+    num_splits = _splits(num_splits)
+    device = _device(*named, *warm_named)
     scale = sizes[3] ** -0.5 if scale is None else scale
     lib = _library(lib)
-    ptrs = [x.data_ptr() for x in (q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, *outs)]
-    _launch(lib, "tkv_tiered_attention_warm", device, *ptrs, *sizes, scale, warm_pool.data_ptr(),
-            warm_row.data_ptr(), w, ctypes.byref(desc))
+    ws, ws_bytes = _workspace(workspace, sizes, num_splits, device, lib)
+    ptrs = [x.data_ptr() for x in (q, k_pool, v_pool, page_table, mask, page_index, seq_len, past, *outs)]
+    _launch(lib, "tkv_tiered_attention_warm", device, *ptrs, *sizes, scale, KV_DTYPES[k_pool.dtype],
+            warm_pool.data_ptr(), warm_row.data_ptr(), w, ctypes.byref(desc), ws, ws_bytes, num_splits)
+    return outs
+
+
+def tiered_attention_host(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
+                          page_mask: torch.Tensor, page_index: torch.Tensor, seq_len: torch.Tensor,
+                          past: torch.Tensor, *, warm_pool: torch.Tensor | None = None,
+                          warm_row: torch.Tensor | None = None, desc: CodecDesc | None = None, sm_count: int,
+                          num_splits: int = 0, scale: float | None = None,
+                          out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                          lib: ctypes.CDLL | str | os.PathLike | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TieredAttention by the library's host emulation (``tkv_tiered_attention_host``; CPU,
+    synchronous): the kernels' algorithm (split plan for ``sm_count`` SMs or ``num_splits``, lane
+    layout, online softmax, page log-sum-exps, warp and split merges) run block by block through
+    the same ``__host__ __device__`` functions. Arguments as :func:`tiered_attention` /
+    :func:`tiered_attention_warm` (warm_pool, warm_row and desc all three or none), on the CPU."""
+    sizes, mask, outs, named = _attention_args(q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past,
+                                               out)
+    if (warm_pool is None) != (desc is None) or (warm_row is None) != (desc is None):
+        raise ValueError("warm_pool, warm_row and desc go together: pass all three or none")
+    w, warm_named = _warm_args(warm_pool, warm_row, desc, sizes) if desc is not None else (0, ())
+    _device(*named, *warm_named, host=True)
+    if not isinstance(sm_count, int) or isinstance(sm_count, bool) or sm_count < 0:
+        raise ValueError(f"sm_count: expected an int >= 0, got {sm_count!r}")
+    num_splits = _splits(num_splits)
+    scale = sizes[3] ** -0.5 if scale is None else scale
+    lib = _library(lib)
+    ptrs = [x.data_ptr() for x in (q, k_pool, v_pool, page_table, mask, page_index, seq_len, past, *outs)]
+    warm = (warm_pool.data_ptr(), warm_row.data_ptr(), w, ctypes.byref(desc)) if desc is not None else (None, None, 0,
+                                                                                                         None)
+    _raise_for_status(lib, "tkv_tiered_attention_host",
+                      lib.tkv_tiered_attention_host(*ptrs, *sizes, scale, KV_DTYPES[k_pool.dtype], *warm, sm_count,
+                                                    num_splits))
     return outs
 
 
@@ -415,7 +569,8 @@ def kv_append(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor, v
     * slot, offset [N] int64: page and slot of token n (out of range: the token is skipped).
 
     Returns (or writes ``out``) k_pool_out, v_pool_out [C, KVH, P, D]: by default fresh copies of
-    the pools, then the scatter; ``out=(k_pool, v_pool)`` appends in place (scatter only)."""
+    the pools, then the scatter; ``out=(k_pool, v_pool)`` appends in place: only the N new rows
+    are written (the TensorRT plugin's form when its outputs alias its pools)."""
     c, kvh, p, d = _arg("k_pool", k_pool, None, "[C, KVH, P, D]", (None,) * 4)
     _arg("v_pool", v_pool, k_pool.dtype, "[C, KVH, P, D]", k_pool.shape)
     n = _arg("k_new", k_new, k_pool.dtype, "[N, KVH, D]", (None, kvh, d))[0]
@@ -450,19 +605,19 @@ def importance_score(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pa
     * page_tokens [B, M] int64: tokens written in the page;
     * distance [B, M] int64: query position minus the page's last token position;
     * saliency [B, M] float32 in [0, 1];
-    * page_mask [B, M] bool;
+    * page_mask [B, M] int32 (nonzero: the page competes) or bool;
     * position_table [NB] float32, NB > 0: the position value of each distance bucket;
     * weights: (relevance, position, saliency), three floats;
     * scale: logit scale of the relevance (default D ** -0.5).
 
-    Returns (or writes ``out``): score [B, M] float32 on q's device (0 where page_mask is False)."""
+    Returns (or writes ``out``): score [B, M] float32 on q's device (0 where page_mask is 0)."""
     b, h, d = _arg("q", q, torch.float32, "[B, H, D]", (None,) * 3)
     m, kvh = _arg("kmin", kmin, torch.float32, "[B, M, KVH, D]", (b, None, None, d))[1:3]
     _arg("kmax", kmax, torch.float32, "[B, M, KVH, D]", kmin.shape)
     _arg("page_tokens", page_tokens, torch.int64, "[B, M]", (b, m))
     _arg("distance", distance, torch.int64, "[B, M]", (b, m))
     _arg("saliency", saliency, torch.float32, "[B, M]", (b, m))
-    _arg("page_mask", page_mask, torch.bool, "[B, M]", (b, m))
+    mask = _mask("page_mask", page_mask, (b, m))
     nb = _arg("position_table", position_table, torch.float32, "[NB]", (None,))[0]
     if nb <= 0:
         raise ValueError("position_table: expected at least one bucket, got an empty tensor")
@@ -477,6 +632,6 @@ def importance_score(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pa
                      ("saliency", saliency), ("page_mask", page_mask), ("position_table", position_table),
                      ("out", out))
     lib = _library(lib)
-    ptrs = [x.data_ptr() for x in (q, kmin, kmax, page_tokens, distance, saliency, page_mask, position_table, out)]
+    ptrs = [x.data_ptr() for x in (q, kmin, kmax, page_tokens, distance, saliency, mask, position_table, out)]
     _launch(lib, "tkv_importance_score", device, *ptrs, b, h, d, m, kvh, nb, *(float(w) for w in weights), scale)
     return out

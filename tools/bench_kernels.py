@@ -1,20 +1,29 @@
-"""Benchmark of the tieredkv CUDA kernels at real model shapes (needs a CUDA GPU and
-libtieredkv_kernels.so; correctness is the ``cuda`` tests' job: ``pytest -m cuda tests/plugins``).
+"""Check and time the tieredkv CUDA kernels at real model shapes (needs a CUDA GPU and
+libtieredkv_kernels.so; tools/gpu_check.sh runs it after the ``cuda`` tests).
 
-For each model shape (``--presets``, default SmolLM2-135M and a Llama-2-70B layer) and context
-(``--contexts``, default 4k and 32k tokens, P = 16, one decode token per sequence, ``--batch``
-sequences) it times, with CUDA events (median of ``--repeats`` calls after 3 warm-ups):
+Groups, each run on its own (an exception is recorded in the report and the next group runs):
 
-* TieredAttention over every page of the context (pages scattered over the pool);
-* ImportanceScore over the same pages;
-* KVAppend of one token per sequence, in place (what the runtime does) and as the TensorRT
-  plugin runs it (copy both pools to the outputs, then scatter);
-* per codec: encode_pages / decode_pages of the whole context and the warm TieredAttention
-  with every listed page warm;
+* ``copy``: the device-to-device copy bandwidth of this GPU (a 1 GiB torch copy, many calls
+  between one event pair): the practical ceiling the kernels are compared with, besides the
+  nominal HBM bandwidth (``--hbm-gbps``, 4800 GB/s for an H200);
+* ``check``: every kernel against its PyTorch reference (run on the CPU) at a 70B-like shape:
+  the llama2-70b preset (64 query heads, 8 KV heads, head dim 128), pages of 16, one sequence
+  of ``--check-context`` tokens (32k), float16 pools, with every page listed and with 25 % of
+  them: TieredAttention (the library's split plan, and one split), the warm TieredAttention
+  (int4, half the listed pages warm, as int32 words), ImportanceScore, KVAppend (in place and
+  copy; exact) and the int4 page codec (exact, on a slice of the pages);
+* ``timing``: per preset (``--presets``), context (``--contexts``), share of pages listed
+  (``--listed``) and pool dtype (``--dtypes``), one decode token per sequence (``--batch``):
+  TieredAttention, ImportanceScore, KVAppend (in place; and copy + scatter as a plugin without
+  aliasing), and per codec (``--codecs``) encode, decode and the warm TieredAttention. Each op
+  is captured ``--inner`` times in a CUDA graph and the graph replayed ``--repeats`` times
+  between one event pair (no host overhead; falls back to eager calls between one event pair
+  when capture fails). Reported: µs per call, the bytes the op must move (K / V of the listed
+  pages or the encoded bytes, plus its other inputs and outputs), GB/s, and that as a share of
+  the nominal HBM bandwidth and of the measured copy bandwidth.
 
-and reports the median in µs and GB/s of the bytes each call must move (the codec ops and the
-warm attention: of the encoded bytes). Timings include each op's host side (argument checks,
-the ctypes call) between the events. Writes ``OUT/bench_kernels.json`` and ``.md``.
+Writes ``OUT/bench_kernels.json`` and ``OUT/bench_kernels.md``. Exit status: 0 when every check
+matched and no group failed, 1 otherwise, 2 without a CUDA device.
 
     python tools/bench_kernels.py --out gpu_out [--lib build/plugins/libtieredkv_kernels.so]
 """
@@ -23,11 +32,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
-import statistics
+import subprocess
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -35,9 +46,14 @@ import torch
 
 from tieredkv.models.config import preset
 from tieredkv.plugins import codec, cuda_ops
-from tieredkv.plugins.inputs import tiered_attention_inputs
+from tieredkv.plugins.importance_score import importance_score
+from tieredkv.plugins.kv_append import kv_append
+from tieredkv.plugins.tiered_attention import tiered_attention
 
 PAGE = 16
+CHECK_PRESET = "llama2-70b"
+#: max abs error of float outputs against the reference (as the cuda tests)
+TOLERANCE = 1e-4
 
 
 @dataclass
@@ -45,120 +61,342 @@ class Timing:
     op: str
     model: str
     shape: str
-    median_us: float
+    us: float
     bytes: int
     gb_per_s: float
+    of_hbm: float
+    of_copy: float | None
+    method: str
     extra: dict = field(default_factory=dict)
 
 
-def _time(fn, repeats: int) -> float:
-    """Median milliseconds of ``fn`` (3 warm-up calls), each call timed with CUDA events."""
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    errors: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def time_op(fn, *, inner: int, repeats: int) -> tuple[float, str]:
+    """Milliseconds per call of ``fn``: ``inner`` calls captured in a CUDA graph, replayed
+    ``repeats`` times between one event pair; eager calls between one event pair when the
+    capture fails."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # allocations of the op (workspace) settle before the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
         start.record()
-        fn()
+        for _ in range(repeats):
+            graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        return start.elapsed_time(end) / (repeats * inner), f"CUDA graph ({inner} calls x {repeats})"
+    except RuntimeError:
+        torch.cuda.synchronize()
+        calls = inner * repeats
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls, f"eager ({calls} calls, one event pair)"
 
 
-def _timing(op: str, model: str, shape: str, ms: float, nbytes: int, **extra) -> Timing:
-    return Timing(op, model, shape, round(ms * 1e3, 2), int(nbytes), round(nbytes / (ms * 1e-3) / 1e9, 1), extra)
+def copy_bandwidth(gib: float = 1.0, repeats: int = 20) -> float:
+    """GB/s of a device-to-device torch copy of ``gib`` GiB (bytes read + written)."""
+    n = int(gib * 2**30) // 4
+    src, dst = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
+    src.uniform_()
+    ms, _ = time_op(lambda: dst.copy_(src), inner=1, repeats=repeats)
+    return 2 * n * 4 / (ms * 1e-3) / 1e9
 
 
-def decode_step(gen: torch.Generator, *, B: int, H: int, KVH: int, D: int, context: int) -> dict:
-    """TieredAttention inputs of a decode step over every page of a ``context``-token sequence:
-    every page kept, in order, no padding, the pages scattered over a pool of B * M pages."""
-    m = context // PAGE
-    inputs = tiered_attention_inputs(gen, B=B, H=H, KVH=KVH, T=1, D=D, P=PAGE, M=m, C=B * m, keep=1.0,
-                                     causal_cut=False)
-    dev = gen.device
-    inputs["page_index"] = torch.arange(m, device=dev).repeat(B, 1)
-    inputs["seq_len"] = torch.full((B,), context, dtype=torch.int64, device=dev)
-    inputs["past"] = inputs["seq_len"] - 1
-    return inputs
+class Timer:
+    def __init__(self, args, copy_gbps: float | None):
+        self.args, self.copy_gbps, self.timings = args, copy_gbps, []
+
+    def __call__(self, op: str, model: str, shape: str, fn, nbytes: int, **extra) -> Timing:
+        ms, method = time_op(fn, inner=self.args.inner, repeats=self.args.repeats)
+        gbps = nbytes / (ms * 1e-3) / 1e9
+        t = Timing(op, model, shape, round(ms * 1e3, 2), int(nbytes), round(gbps, 1),
+                   round(gbps / self.args.hbm_gbps, 3), round(gbps / self.copy_gbps, 3) if self.copy_gbps else None,
+                   method, extra)
+        self.timings.append(t)
+        print(f"  {op:36s} {shape}: {t.us} us, {t.gb_per_s} GB/s ({100 * t.of_hbm:.0f} % of HBM)", file=sys.stderr)
+        return t
 
 
-def bench_shape(lib, model: str, cfg, context: int, batch: int, repeats: int, codecs: list[str]) -> list[Timing]:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    inputs = decode_step(gen, B=batch, H=H, KVH=KVH, D=D, context=context)
+# ----------------------------------------------------------------------------- inputs
+
+
+def decode_inputs(*, B: int, H: int, KVH: int, D: int, context: int, listed: float, dtype: torch.dtype,
+                  seed: int = 0) -> dict:
+    """TieredAttention inputs of one decode step per sequence over a ``context``-token sequence
+    (pages of 16 scattered over a pool of all sequences' pages): ``listed`` of its pages listed
+    (every page, or a random subset in order, as an attention budget selects), all kept; int32
+    page mask; pools in ``dtype``."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pages = context // PAGE
+    m = max(1, round(pages * listed))
+    pool = torch.randperm(B * pages, generator=gen, device="cuda").view(B, pages)
+    if m == pages:
+        index = torch.arange(pages, device="cuda").repeat(B, 1)
+    else:
+        keep = torch.stack([torch.randperm(pages - 1, generator=gen, device="cuda")[: m - 1] for _ in range(B)])
+        index = torch.cat([torch.sort(keep, dim=1).values, torch.full((B, 1), pages - 1, device="cuda")], dim=1)
+    return dict(q=torch.randn(B, H, 1, D, generator=gen, device="cuda"),
+                k_pool=(torch.randn(B * pages, KVH, PAGE, D, generator=gen, device="cuda") * 2).to(dtype),
+                v_pool=torch.randn(B * pages, KVH, PAGE, D, generator=gen, device="cuda").to(dtype),
+                page_table=torch.gather(pool, 1, index), page_mask=torch.ones(B, m, dtype=torch.int32, device="cuda"),
+                page_index=index.contiguous(), seq_len=torch.full((B,), context, dtype=torch.int64, device="cuda"),
+                past=torch.full((B,), context - 1, dtype=torch.int64, device="cuda"))
+
+
+def score_inputs(inputs: dict, context: int, seed: int = 1) -> dict:
+    """ImportanceScore inputs over the listed pages of ``inputs``: page key bounds, distances."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = inputs["q"][:, :, 0].contiguous()
     B, M = inputs["page_table"].shape
-    shape = f"B={B} H={H} KVH={KVH} D={D} ctx={context} P={PAGE} M={M} T=1"
-    scale = D ** -0.5
+    KVH, D = inputs["k_pool"].shape[1], inputs["k_pool"].shape[3]
+    kmin = torch.randn(B, M, KVH, D, generator=gen, device="cuda")
+    return dict(q=q, kmin=kmin, kmax=kmin + torch.rand(B, M, KVH, D, generator=gen, device="cuda"),
+                page_tokens=torch.full((B, M), PAGE, dtype=torch.int64, device="cuda"),
+                distance=context - (inputs["page_index"] + 1) * PAGE,
+                saliency=torch.rand(B, M, generator=gen, device="cuda"), page_mask=inputs["page_mask"],
+                position_table=torch.rand(16, generator=gen, device="cuda"))
+
+
+def append_inputs(inputs: dict, seed: int = 2) -> dict:
+    """One new token per sequence, written at the last slot of its last listed page."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    B = inputs["q"].shape[0]
+    _, KVH, _, D = inputs["k_pool"].shape
+    dtype = inputs["k_pool"].dtype
+    return dict(k_new=torch.randn(B, KVH, D, generator=gen, device="cuda").to(dtype),
+                v_new=torch.randn(B, KVH, D, generator=gen, device="cuda").to(dtype),
+                slot=inputs["page_table"][:, -1].contiguous(),
+                offset=torch.full((B,), PAGE - 1, dtype=torch.int64, device="cuda"))
+
+
+def attention_bytes(inputs: dict, *, kv_bytes: int | None = None) -> int:
+    """What TieredAttention must move: K and V of the listed pages (or ``kv_bytes``), q, the page
+    list (table, mask, index), out, lse, page_probs."""
+    q = inputs["q"]
+    B, H, T, D = q.shape
+    M = inputs["page_table"].shape[1]
+    _, KVH, P, _ = inputs["k_pool"].shape
+    if kv_bytes is None:
+        kv_bytes = 2 * B * M * KVH * P * D * inputs["k_pool"].element_size()
+    return kv_bytes + 2 * q.numel() * 4 + B * H * T * (M + 1) * 4 + B * M * 20 + 2 * B * 8
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    if a.shape != b.shape:
+        return math.inf
+    if not a.numel():
+        return 0.0
+    both_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
+    diff = (a - b).abs().masked_fill(both_inf, 0.0)
+    return float(diff.nan_to_num(math.inf).max())
+
+
+def _compare(name: str, got, ref, tol: float) -> Check:
+    errors = {k: _err(g, r) for k, g, r in zip(("out", "lse", "page_probs"), got, ref)}
+    ok = all(e <= tol for e in errors.values())
+    return Check(name, ok, f"max abs error {max(errors.values()):.2e} (tolerance {tol:.0e})", errors)
+
+
+def _cpu(inputs: dict) -> dict:
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def run_checks(lib, args) -> list[Check]:
+    cfg = preset(CHECK_PRESET)
+    H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    checks = []
+    for listed in (1.0, 0.25):
+        tag = f"{CHECK_PRESET} ctx={args.check_context} listed={int(listed * 100)}% fp16"
+        inputs = decode_inputs(B=1, H=H, KVH=KVH, D=D, context=args.check_context, listed=listed,
+                               dtype=torch.float16, seed=7)
+        ref = tiered_attention(**_cpu(inputs))
+        M = inputs["page_table"].shape[1]
+        splits, per = cuda_ops.attention_plan(1, H, 1, D, KVH, M, sm_count=torch.cuda.get_device_properties(0)
+                                              .multi_processor_count, lib=lib)
+        got = cuda_ops.tiered_attention(**inputs, lib=lib)
+        checks.append(_compare(f"TieredAttention [{tag}, {splits} splits of {per} pages]", got, ref, TOLERANCE))
+        got = cuda_ops.tiered_attention(**inputs, num_splits=1, lib=lib)
+        checks.append(_compare(f"TieredAttention [{tag}, one split]", got, ref, TOLERANCE))
+
+        # warm: half the listed pages int4, the pool as int32 words; their page_table entries point elsewhere
+        desc = cuda_ops.codec_desc("int4", KVH, PAGE, D, lib=lib)
+        warm = torch.arange(M, device="cuda") % 2 == 0
+        src = inputs["page_table"][0, warm]
+        enc = cuda_ops.encode_pages(inputs["k_pool"][src].float().contiguous(),
+                                    inputs["v_pool"][src].float().contiguous(), desc, lib=lib)
+        warm_row = torch.full((1, M), -1, dtype=torch.int64, device="cuda")
+        warm_row[0, warm] = torch.arange(int(warm.sum()), device="cuda")
+        table = inputs["page_table"].clone()
+        table[0, warm] = (table[0, warm] + 1) % inputs["k_pool"].shape[0]
+        warm_in = dict(inputs, page_table=table)
+        words = codec.as_words(enc)
+        ref_w = tiered_attention(**_cpu(warm_in), warm_pool=words.cpu(), warm_row=warm_row.cpu(), warm_codec="int4")
+        got = cuda_ops.tiered_attention_warm(**warm_in, warm_pool=words, warm_row=warm_row, desc=desc, lib=lib)
+        checks.append(_compare(f"TieredAttention warm int4 [{tag}, half the pages warm]", got, ref_w, TOLERANCE))
+
+        s_in = score_inputs(inputs, args.check_context)
+        weights = (0.4, 0.3, 0.3)
+        ref_s = importance_score(**_cpu(s_in), weights=weights, scale=D ** -0.5)
+        got_s = cuda_ops.importance_score(**s_in, weights=weights, scale=D ** -0.5, lib=lib)
+        err = _err(got_s, ref_s)
+        checks.append(Check(f"ImportanceScore [{tag}]", err <= TOLERANCE, f"max abs error {err:.2e}",
+                            {"score": err}))
+
+    inputs = decode_inputs(B=1, H=H, KVH=KVH, D=D, context=args.check_context, listed=1.0, dtype=torch.float16, seed=8)
+    new = append_inputs(inputs)
+    pools = (inputs["k_pool"].clone(), inputs["v_pool"].clone())
+    ref_k, ref_v = kv_append(inputs["k_pool"].cpu(), inputs["v_pool"].cpu(), *(_cpu(new)[k] for k in new))
+    copy = cuda_ops.kv_append(inputs["k_pool"], inputs["v_pool"], **new, lib=lib)
+    cuda_ops.kv_append(*pools, **new, out=pools, lib=lib)
+    for how, (k, v) in (("copy", copy), ("in place", pools)):
+        ok = torch.equal(k.cpu(), ref_k) and torch.equal(v.cpu(), ref_v)
+        checks.append(Check(f"KVAppend {how} [{CHECK_PRESET} ctx={args.check_context} fp16]", ok,
+                            "bit-exact" if ok else "differs from the reference"))
+
+    n = 64  # the CPU reference of the codec is slow: a slice of the pages
+    k, v = inputs["k_pool"][:n].float().contiguous(), inputs["v_pool"][:n].float().contiguous()
+    desc = cuda_ops.codec_desc("int4", KVH, PAGE, D, lib=lib)
+    ref_bytes = codec.encode_pages(k.cpu(), v.cpu(), codec.CODECS["int4"])
+    got_bytes = cuda_ops.encode_pages(k, v, desc, lib=lib)
+    ref_dec = codec.decode_pages(ref_bytes, codec.CODECS["int4"], (KVH, PAGE, D))
+    got_dec = cuda_ops.decode_pages(ref_bytes.to(k.device), desc, lib=lib)
+    ok = torch.equal(got_bytes.cpu(), ref_bytes) and all(torch.equal(g.cpu(), r) for g, r in zip(got_dec, ref_dec))
+    checks.append(Check(f"int4 encode / decode [{n} pages of {CHECK_PRESET}]", ok,
+                        "bit-exact" if ok else "differs from the reference"))
+    torch.cuda.empty_cache()
+    return checks
+
+
+# ----------------------------------------------------------------------------- timings
+
+
+def bench_shape(lib, timer: Timer, model: str, cfg, context: int, listed: float, dtype: torch.dtype, args) -> None:
+    H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    inputs = decode_inputs(B=args.batch, H=H, KVH=KVH, D=D, context=context, listed=listed, dtype=dtype)
+    B, M = inputs["page_table"].shape
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits, per = cuda_ops.attention_plan(B, H, 1, D, KVH, M, sm_count=sms, lib=lib)
+    dname = str(dtype).removeprefix("torch.")
+    shape = f"B={B} H={H} KVH={KVH} D={D} ctx={context} M={M} ({int(listed * 100)}%) {dname}"
     q = inputs["q"]
     outs = (torch.empty_like(q), torch.empty(B, H, 1, device="cuda"), torch.empty(B, H, 1, M, device="cuda"))
-    timings = []
+    ws = torch.empty(max(1, cuda_ops.attention_workspace_bytes(B, H, 1, D, KVH, M, lib=lib)), dtype=torch.uint8,
+                     device="cuda")
+    timer("TieredAttention", model, shape, lambda: cuda_ops.tiered_attention(**inputs, out=outs, workspace=ws,
+                                                                               lib=lib),
+          attention_bytes(inputs), splits=splits, pages_per_split=per)
+    timer("TieredAttention (one split)", model, shape,
+          lambda: cuda_ops.tiered_attention(**inputs, out=outs, num_splits=1, lib=lib), attention_bytes(inputs))
 
-    ms = _time(lambda: cuda_ops.tiered_attention(**inputs, scale=scale, out=outs, lib=lib), repeats)
-    kv_bytes = 2 * B * M * PAGE * KVH * D * 4
-    io_bytes = 2 * q.numel() * 4 + B * H * (M + 1) * 4 + B * M * 17
-    timings.append(_timing("TieredAttention", model, shape, ms, kv_bytes + io_bytes))
-
-    kmin = torch.randn(B, M, KVH, D, generator=gen, device="cuda")
-    kmax = kmin + torch.rand(B, M, KVH, D, generator=gen, device="cuda")
-    score_in = dict(q=q[:, :, 0].contiguous(), kmin=kmin, kmax=kmax,
-                    page_tokens=torch.full((B, M), PAGE, dtype=torch.int64, device="cuda"),
-                    distance=(context - (torch.arange(M, device="cuda") + 1) * PAGE).repeat(B, 1),
-                    saliency=torch.rand(B, M, generator=gen, device="cuda"), page_mask=inputs["page_mask"],
-                    position_table=torch.rand(16, generator=gen, device="cuda"), weights=(0.4, 0.3, 0.3))
+    s_in = score_inputs(inputs, context)
     score = torch.empty(B, M, device="cuda")
-    ms = _time(lambda: cuda_ops.importance_score(**score_in, scale=scale, out=score, lib=lib), repeats)
-    timings.append(_timing("ImportanceScore", model, shape, ms, 2 * kmin.numel() * 4 + B * M * 25))
+    timer("ImportanceScore", model, shape,
+          lambda: cuda_ops.importance_score(**s_in, weights=(0.4, 0.3, 0.3), out=score, lib=lib),
+          2 * s_in["kmin"].numel() * 4 + s_in["q"].numel() * 4 + B * M * 28)
 
+    new = append_inputs(inputs)
     k_pool, v_pool = inputs["k_pool"], inputs["v_pool"]
-    new = dict(k_new=torch.randn(B, KVH, D, generator=gen, device="cuda"),
-               v_new=torch.randn(B, KVH, D, generator=gen, device="cuda"),
-               slot=inputs["page_table"][:, -1].contiguous(),
-               offset=torch.full((B,), PAGE - 1, dtype=torch.int64, device="cuda"))
-    new_bytes = 2 * 2 * new["k_new"].numel() * 4
-    ms = _time(lambda: cuda_ops.kv_append(k_pool, v_pool, **new, out=(k_pool, v_pool), lib=lib), repeats)
-    timings.append(_timing("KVAppend (in place)", model, shape, ms, new_bytes))
+    row_bytes = 2 * 2 * new["k_new"].numel() * k_pool.element_size() + B * 16  # read + write the rows, slot, offset
+    timer("KVAppend (in place)", model, shape,
+          lambda: cuda_ops.kv_append(k_pool, v_pool, **new, out=(k_pool, v_pool), lib=lib), row_bytes)
     copies = (torch.empty_like(k_pool), torch.empty_like(v_pool))
-    ms = _time(lambda: cuda_ops.kv_append(k_pool, v_pool, **new, out=copies, lib=lib), repeats)
-    timings.append(_timing("KVAppend (copy + scatter)", model, shape, ms, 2 * 2 * k_pool.numel() * 4 + new_bytes,
-                           pool_mib=round(2 * k_pool.numel() * 4 / 2**20, 1)))
+    pool_bytes = 2 * k_pool.numel() * k_pool.element_size()
+    timer("KVAppend (copy + scatter)", model, shape,
+          lambda: cuda_ops.kv_append(k_pool, v_pool, **new, out=copies, lib=lib), 2 * pool_bytes + row_bytes,
+          pool_mib=round(pool_bytes / 2**20, 1))
 
     n = B * M
-    k, v = k_pool[:n], v_pool[:n]
-    float_bytes = 2 * k.numel() * 4
-    warm_in = dict(inputs, warm_row=torch.randperm(n, device="cuda").view(B, M))
-    for name in codecs:
+    src = inputs["page_table"].reshape(-1)
+    k, v = k_pool[src].float().contiguous(), v_pool[src].float().contiguous()
+    warm_row = torch.arange(n, device="cuda").view(B, M)
+    for name in args.codecs:
         desc = cuda_ops.codec_desc(name, KVH, PAGE, D, lib=lib)
         data = torch.empty(n, desc.page_bytes, dtype=torch.uint8, device="cuda")
-        ms = _time(lambda: cuda_ops.encode_pages(k, v, desc, out=data, lib=lib), repeats)
-        timings.append(_timing(f"encode_pages [{name}]", model, shape, ms, data.numel(), float_bytes_read=float_bytes))
+        floats = 2 * k.numel() * 4
+        timer(f"encode_pages [{name}]", model, shape, lambda: cuda_ops.encode_pages(k, v, desc, out=data, lib=lib),
+              floats + data.numel())
         dec = (torch.empty_like(k), torch.empty_like(v))
-        ms = _time(lambda: cuda_ops.decode_pages(data, desc, out=dec, lib=lib), repeats)
-        timings.append(_timing(f"decode_pages [{name}]", model, shape, ms, data.numel(),
-                               float_bytes_written=float_bytes))
-        ms = _time(lambda: cuda_ops.tiered_attention_warm(**warm_in, warm_pool=data, desc=desc, scale=scale, out=outs,
-                                                          lib=lib), repeats)
-        timings.append(_timing(f"TieredAttention warm [{name}]", model, shape, ms, data.numel(),
-                               bits_per_value=round(8 * desc.page_bytes / (2 * KVH * PAGE * D), 2)))
-    torch.cuda.empty_cache()
-    return timings
+        timer(f"decode_pages [{name}]", model, shape, lambda: cuda_ops.decode_pages(data, desc, out=dec, lib=lib),
+              data.numel() + floats)
+        words = codec.as_words(data)
+        timer(f"TieredAttention warm [{name}]", model, shape,
+              lambda: cuda_ops.tiered_attention_warm(**inputs, warm_pool=words, warm_row=warm_row, desc=desc, out=outs,
+                                                     workspace=ws, lib=lib),
+              attention_bytes(inputs, kv_bytes=data.numel()),
+              bits_per_value=round(8 * desc.page_bytes / (2 * KVH * PAGE * D), 2))
+
+
+# ----------------------------------------------------------------------------- report
 
 
 def write_report(out: Path, report: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_kernels.json").write_text(json.dumps(report, indent=2, default=str))
-    lines = ["# tieredkv kernel benchmark", "",
-             f"- device: {report.get('device', 'none')}; torch {report['torch']}, CUDA {report['torch_cuda']}",
-             f"- library: `{report['library']}`; {report['date']}; `{report['command']}`", "",
-             "Median of CUDA-event timed calls; GB/s of the bytes each call must move (codec ops and the warm "
-             "attention: of the encoded pages).", "",
-             "| op | model | shape | median µs | MB moved | GB/s |", "|---|---|---|---|---|---|"]
-    for t in report.get("timings", []):
-        lines.append(f"| {t['op']} | {t['model']} | {t['shape']} | {t['median_us']} | {t['bytes'] / 1e6:.2f} | "
-                     f"{t['gb_per_s']} |")
-    if report.get("error"):
-        lines += ["", f"Error: {report['error']}"]
+    copy = report.get("copy_gbps")
+    lines = ["# tieredkv kernel check and benchmark", "",
+             f"- device: {report.get('device', 'none')}; driver {report.get('driver', '?')}; torch {report['torch']}, "
+             f"CUDA {report['torch_cuda']}",
+             f"- library: `{report['library']}`; {report['date']}; `{report['command']}`",
+             f"- device-to-device copy: {copy:.0f} GB/s (a 1 GiB torch copy); nominal HBM: {report['hbm_gbps']} GB/s"
+             if copy else "- device-to-device copy: not measured", ""]
+    checks = report.get("checks", [])
+    if checks:
+        lines += ["## Checks against the references", "", "| check | result | detail |", "|---|---|---|"]
+        lines += [f"| {c['name']} | {'ok' if c['ok'] else '**MISMATCH**'} | {c['detail']} |" for c in checks]
+        lines.append("")
+    timings = report.get("timings", [])
+    if timings:
+        lines += ["## Timings", "",
+                  "Per call (CUDA graph replays between one event pair); GB/s of the bytes each op must move "
+                  "(K / V of the listed pages, or the encoded bytes, plus its other inputs and outputs).", "",
+                  "| op | model | shape | µs | MB moved | GB/s | of HBM | of copy | notes |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for t in timings:
+            of_copy = f"{100 * t['of_copy']:.0f} %" if t["of_copy"] is not None else "-"
+            notes = ", ".join(f"{k}={v}" for k, v in t["extra"].items())
+            lines.append(f"| {t['op']} | {t['model']} | {t['shape']} | {t['us']} | {t['bytes'] / 1e6:.2f} | "
+                         f"{t['gb_per_s']} | {100 * t['of_hbm']:.0f} % | {of_copy} | {notes} |")
+        lines.append("")
+    for group, error in report.get("errors", {}).items():
+        lines += [f"Error in `{group}`:", "", "```", error.strip(), "```", ""]
     (out / "bench_kernels.md").write_text("\n".join(lines) + "\n")
+
+
+def _driver() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,36 +404,70 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lib", type=Path, default=None, help=f"libtieredkv_kernels.so (default: ${cuda_ops.ENV_VAR}, "
                                                            f"else {cuda_ops.DEFAULT_LIBRARY})")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu_out"))
+    ap.add_argument("--groups", nargs="+", default=["copy", "check", "timing"], choices=["copy", "check", "timing"])
     ap.add_argument("--presets", nargs="+", default=["smollm2-135m", "llama2-70b"])
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
+    ap.add_argument("--listed", type=float, nargs="+", default=[1.0, 0.25], help="shares of the pages listed")
+    ap.add_argument("--dtypes", nargs="+", default=["float16", "float32"], choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--codecs", nargs="*", default=sorted(codec.CODECS))
+    ap.add_argument("--check-context", type=int, default=32768)
+    ap.add_argument("--codecs", nargs="*", default=["int4", "fp8-r2"])
+    ap.add_argument("--inner", type=int, default=10, help="calls captured per CUDA graph")
+    ap.add_argument("--repeats", type=int, default=10, help="graph replays between the event pair")
+    ap.add_argument("--hbm-gbps", type=float, default=4800.0, help="nominal HBM bandwidth (H200: 4800)")
     args = ap.parse_args(argv)
     report = {"library": str(cuda_ops.library_path(args.lib)), "torch": torch.__version__,
               "torch_cuda": torch.version.cuda, "host": platform.platform(), "date": time.strftime("%Y-%m-%d"),
-              "command": " ".join(["python", *sys.argv])}
+              "command": " ".join(["python", *sys.argv]), "hbm_gbps": args.hbm_gbps, "errors": {}}
     if not torch.cuda.is_available():
-        report["error"] = "no CUDA device (torch.cuda.is_available() is False)"
+        report["errors"]["setup"] = "no CUDA device (torch.cuda.is_available() is False)"
         write_report(args.out, report)
-        print(f"bench_kernels: {report['error']}; nothing was timed", file=sys.stderr)
+        print(f"bench_kernels: {report['errors']['setup']}; nothing was run", file=sys.stderr)
         return 2
-    report["device"] = f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))})"
+    props = torch.cuda.get_device_properties(0)
+    report["device"] = f"{props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs)"
+    report["driver"] = _driver()
     lib = cuda_ops.load_library(args.lib)
-    timings: list[Timing] = []
-    try:
-        for name in args.presets:
+    copy_gbps = None
+
+    def group(name: str, fn) -> None:
+        print(f"bench_kernels: {name}", file=sys.stderr)
+        try:
+            fn()
+        except Exception:  # one group's failure is reported; the others still run
+            report["errors"][name] = traceback.format_exc()
+            print(report["errors"][name], file=sys.stderr)
+            torch.cuda.synchronize()
+        write_report(args.out, report)
+
+    if "copy" in args.groups:
+        def run_copy() -> None:
+            nonlocal copy_gbps
+            copy_gbps = copy_bandwidth()
+            report["copy_gbps"] = round(copy_gbps, 1)
+            torch.cuda.empty_cache()
+        group("copy", run_copy)
+    if "check" in args.groups:
+        def run_check() -> None:
+            report["checks"] = [asdict(c) for c in run_checks(lib, args)]
+        group("check", run_check)
+    if "timing" in args.groups:
+        timer = Timer(args, copy_gbps)
+        report["timings"] = []
+        for model in args.presets:
             for context in args.contexts:
-                timings += bench_shape(lib, name, preset(name), context, args.batch, args.repeats, args.codecs)
-                for t in timings[-1:]:
-                    print(f"{name} ctx {context}: done ({t.op} {t.median_us} us)", file=sys.stderr)
-    except RuntimeError as exc:  # a launch or execution error: report what ran
-        report["error"] = str(exc)
-    report["timings"] = [asdict(t) for t in timings]
+                for listed in args.listed:
+                    for dname in args.dtypes:
+                        def run_shape(model=model, context=context, listed=listed, dname=dname) -> None:
+                            bench_shape(lib, timer, model, preset(model), context, listed, getattr(torch, dname), args)
+                            report["timings"] = [asdict(t) for t in timer.timings]
+                            torch.cuda.empty_cache()  # the shape's tensors are gone with bench_shape
+                        group(f"timing {model} ctx={context} listed={listed} {dname}", run_shape)
     write_report(args.out, report)
-    for t in timings:
-        print(f"{t.op:34s} {t.model:14s} {t.shape}: {t.median_us} us, {t.gb_per_s} GB/s")
-    return 1 if "error" in report else 0
+    failed = [c["name"] for c in report.get("checks", []) if not c["ok"]]
+    for name in failed:
+        print(f"bench_kernels: MISMATCH {name}", file=sys.stderr)
+    return 1 if failed or report["errors"] else 0
 
 
 if __name__ == "__main__":

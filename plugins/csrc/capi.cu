@@ -16,27 +16,80 @@ static_assert(sizeof(tkv_codec_desc_t) == 10 * 4 + 33 * 8, "tkv_codec_desc_t: 10
 
 extern "C" {
 
-TKV_API int tkv_tiered_attention(const float* q, const float* k_pool, const float* v_pool, const int64_t* page_table,
-                                 const uint8_t* page_mask, const int64_t* page_index, const int64_t* seq_len,
-                                 const int64_t* past, float* out, float* lse, float* page_probs, int64_t B, int64_t H,
-                                 int64_t T, int64_t D, int64_t C, int64_t KVH, int64_t P, int64_t M, float scale,
-                                 void* stream) {
-    return static_cast<int>(tieredkv::kernels::launch_tiered_attention(
-        q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, out, lse, page_probs, B, H, T, D, C,
-        KVH, P, M, scale, as_stream(stream)));
+namespace attn = tieredkv::kernels::attention;
+
+namespace {
+attn::Problem problem(const float* q, const void* k_pool, const void* v_pool, const int64_t* page_table,
+                      const int32_t* page_mask, const int64_t* page_index, const int64_t* seq_len, const int64_t* past,
+                      float* out, float* lse, float* page_probs, int64_t B, int64_t H, int64_t T, int64_t D, int64_t C,
+                      int64_t KVH, int64_t P, int64_t M, float scale) {
+    return attn::Problem{q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, out, lse, page_probs,
+                         B, H, T, D, C, KVH, P, M, scale};
+}
+}  // namespace
+
+TKV_API int64_t tkv_tiered_attention_workspace(int64_t B, int64_t H, int64_t T, int64_t D, int64_t KVH, int64_t M) {
+    if (!attn::sizes_valid(B, H, T, D, 0, KVH, 1, M)) return -1;
+    return attn::workspace_bytes(B, H, T, D, M);
 }
 
-TKV_API int tkv_tiered_attention_warm(const float* q, const float* k_pool, const float* v_pool,
-                                      const int64_t* page_table, const uint8_t* page_mask, const int64_t* page_index,
+TKV_API int tkv_tiered_attention_plan(int64_t B, int64_t H, int64_t T, int64_t D, int64_t KVH, int64_t M,
+                                      int32_t sm_count, int32_t num_splits, int64_t workspace_bytes,
+                                      int32_t* splits, int32_t* pages_per_split) {
+    if (splits == nullptr || pages_per_split == nullptr || sm_count < 0 || num_splits < 0 ||
+        !attn::sizes_valid(B, H, T, D, 0, KVH, 1, M)) {
+        return invalid();
+    }
+    const attn::SplitPlan plan = attn::make_split_plan(B, H, T, D, KVH, M, sm_count, num_splits, workspace_bytes);
+    *splits = plan.splits;
+    *pages_per_split = plan.pages_per_split;
+    return 0;
+}
+
+TKV_API int tkv_tiered_attention(const float* q, const void* k_pool, const void* v_pool, const int64_t* page_table,
+                                 const int32_t* page_mask, const int64_t* page_index, const int64_t* seq_len,
+                                 const int64_t* past, float* out, float* lse, float* page_probs, int64_t B, int64_t H,
+                                 int64_t T, int64_t D, int64_t C, int64_t KVH, int64_t P, int64_t M, float scale,
+                                 int32_t kv_dtype, void* workspace, int64_t workspace_bytes, int32_t num_splits,
+                                 void* stream) {
+    const attn::Problem p = problem(q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, out, lse,
+                                    page_probs, B, H, T, D, C, KVH, P, M, scale);
+    return static_cast<int>(attn::launch(p, kv_dtype, workspace, workspace_bytes, num_splits,
+                                         attn::NoWarmPages{}, as_stream(stream)));
+}
+
+TKV_API int tkv_tiered_attention_warm(const float* q, const void* k_pool, const void* v_pool,
+                                      const int64_t* page_table, const int32_t* page_mask, const int64_t* page_index,
                                       const int64_t* seq_len, const int64_t* past, float* out, float* lse,
                                       float* page_probs, int64_t B, int64_t H, int64_t T, int64_t D, int64_t C,
-                                      int64_t KVH, int64_t P, int64_t M, float scale, const uint8_t* warm_pool,
-                                      const int64_t* warm_row, int64_t W, const tkv_codec_desc_t* desc,
-                                      void* stream) {
-    if (desc == nullptr) return invalid();
-    return static_cast<int>(tieredkv::kernels::launch_tiered_attention_warm(
-        q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, out, lse, page_probs, B, H, T, D, C,
-        KVH, P, M, scale, warm_pool, warm_row, W, *desc, as_stream(stream)));
+                                      int64_t KVH, int64_t P, int64_t M, float scale, int32_t kv_dtype,
+                                      const void* warm_pool, const int64_t* warm_row, int64_t W,
+                                      const tkv_codec_desc_t* desc, void* workspace, int64_t workspace_bytes,
+                                      int32_t num_splits, void* stream) {
+    const attn::Problem p = problem(q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, out, lse,
+                                    page_probs, B, H, T, D, C, KVH, P, M, scale);
+    attn::WarmPages warm;
+    if (!attn::make_warm(p, warm_pool, warm_row, W, desc, &warm)) return invalid();
+    return static_cast<int>(attn::launch(p, kv_dtype, workspace, workspace_bytes, num_splits, warm,
+                                         as_stream(stream)));
+}
+
+TKV_API int tkv_tiered_attention_host(const float* q, const void* k_pool, const void* v_pool,
+                                      const int64_t* page_table, const int32_t* page_mask, const int64_t* page_index,
+                                      const int64_t* seq_len, const int64_t* past, float* out, float* lse,
+                                      float* page_probs, int64_t B, int64_t H, int64_t T, int64_t D, int64_t C,
+                                      int64_t KVH, int64_t P, int64_t M, float scale, int32_t kv_dtype,
+                                      const void* warm_pool, const int64_t* warm_row, int64_t W,
+                                      const tkv_codec_desc_t* desc, int32_t sm_count, int32_t num_splits) {
+    const attn::Problem p = problem(q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, out, lse,
+                                    page_probs, B, H, T, D, C, KVH, P, M, scale);
+    if (desc == nullptr) {
+        if (warm_pool != nullptr || warm_row != nullptr || W != 0) return invalid();
+        return static_cast<int>(attn::attention_host(p, kv_dtype, nullptr, sm_count, num_splits));
+    }
+    attn::WarmPages warm;
+    if (!attn::make_warm(p, warm_pool, warm_row, W, desc, &warm)) return invalid();
+    return static_cast<int>(attn::attention_host(p, kv_dtype, &warm, sm_count, num_splits));
 }
 
 TKV_API int tkv_codec_desc(const char* name, int64_t kvh, int64_t p, int64_t d, tkv_codec_desc_t* out) {
@@ -77,7 +130,7 @@ TKV_API int tkv_kv_append(const void* k_pool, const void* v_pool, const void* k_
 }
 
 TKV_API int tkv_importance_score(const float* q, const float* kmin, const float* kmax, const int64_t* page_tokens,
-                                 const int64_t* distance, const float* saliency, const uint8_t* page_mask,
+                                 const int64_t* distance, const float* saliency, const int32_t* page_mask,
                                  const float* position_table, float* score, int64_t B, int64_t H, int64_t D,
                                  int64_t M, int64_t KVH, int64_t NB, float w_rel, float w_pos, float w_sal,
                                  float scale, void* stream) {

@@ -87,41 +87,105 @@ TKV_API int tkv_decode_pages_host(const uint8_t* data, float* k, float* v, int64
 
 /* ---- the ops -------------------------------------------------------------------------------- */
 
-/* TieredAttention: q [B,H,T,D] f32; k_pool, v_pool [C,KVH,P,D] f32; page_table [B,M] i64;
- * page_mask [B,M] bool (1 byte); page_index [B,M] i64; seq_len [B] i64; past [B] i64
- * -> out [B,H,T,D] f32, lse [B,H,T] f32, page_probs [B,H,T,M] f32. */
-TKV_API int tkv_tiered_attention(const float* q, const float* k_pool, const float* v_pool, const int64_t* page_table,
-                                 const uint8_t* page_mask, const int64_t* page_index, const int64_t* seq_len,
+/* element types of the K / V pools of TieredAttention (kv_dtype) */
+#define TKV_DTYPE_F32 0  /* float32 */
+#define TKV_DTYPE_F16 1  /* float16 */
+#define TKV_DTYPE_BF16 2 /* bfloat16 */
+
+/* TieredAttention is split-K flash-decoding: one block per (sequence b, kv head, group of at most
+ * 8 of the kv head's G x T queries, split of the listed pages) runs one pass with an online
+ * softmax over its pages; with more than one split a second kernel merges the splits by
+ * log-sum-exp (docs/plugins.md, "CUDA kernels"). The partial results of the splits live in a
+ * device workspace the caller provides (tkv_tiered_attention_workspace bytes); without one
+ * (workspace NULL or workspace_bytes 0) the op runs as a single split, which is exact too but
+ * uses only B * KVH * ceil(G * T / 8) blocks. */
+
+/* Workspace bytes that tkv_tiered_attention and tkv_tiered_attention_warm may use at these
+ * sizes: min(min(ceil(M / 4), 128) * B*H*T, 8192) * (D + 2) * 4, an upper bound of every split
+ * plan, non-decreasing in every size (so the bound at the largest sizes serves any smaller call,
+ * as TensorRT's getWorkspaceSize requires); 0 when M <= 4 (never split). -1 for sizes the ops
+ * refuse (see tkv_tiered_attention). Host only. */
+TKV_API int64_t tkv_tiered_attention_workspace(int64_t B, int64_t H, int64_t T, int64_t D, int64_t KVH, int64_t M);
+
+/* The split plan the ops use: *splits (>= 1) and *pages_per_split (listed pages per split, the
+ * last split may hold fewer; 0 when M = 0) for these sizes on a device with sm_count SMs (the
+ * device ops ask the current device), given workspace_bytes of workspace (a plan never needs
+ * more). num_splits = 0 chooses min(ceil(2 * sm_count / R), ceil(M / 4), 128, floor(1024 / R))
+ * with R = B * KVH * ceil(G * T / min(G * T, 8)) blocks per split (about two waves of blocks,
+ * splits of about 4 pages or more); num_splits > 0 asks for that many (clamped to [1, max(M, 1)]
+ * and 128). Then pages_per_split = ceil(M / splits) and splits = ceil(M / pages_per_split) (no
+ * empty split), and the count is lowered to what the workspace holds (splits * B*H*T * (D + 2) *
+ * 4 bytes for splits > 1). Returns 0, or cudaErrorInvalidValue (1) for bad sizes or null
+ * outputs. Host only. */
+TKV_API int tkv_tiered_attention_plan(int64_t B, int64_t H, int64_t T, int64_t D, int64_t KVH, int64_t M,
+                                      int32_t sm_count, int32_t num_splits, int64_t workspace_bytes,
+                                      int32_t* splits, int32_t* pages_per_split);
+
+/* TieredAttention: q [B,H,T,D] f32; k_pool, v_pool [C,KVH,P,D] of kv_dtype (TKV_DTYPE_*, both
+ * pools one type); page_table [B,M] i64; page_mask [B,M] i32 (nonzero = kept); page_index [B,M]
+ * i64; seq_len [B] i64; past [B] i64 -> out [B,H,T,D] f32, lse [B,H,T] f32, page_probs
+ * [B,H,T,M] f32 (every element written; accumulation in f32). Query t of sequence b sits at
+ * position past[b] + t and sees slot o of listed page m (position page_index * P + o) iff the
+ * page is kept, its pool page is in [0, C), the position is < seq_len[b] and <= past[b] + t.
+ * Query head h reads kv head h / (H / KVH). A query that sees nothing gets out = 0, lse = -inf,
+ * page_probs = 0. workspace: device memory of workspace_bytes bytes (see above; may be NULL
+ * with 0); num_splits: 0 = choose (tkv_tiered_attention_plan), else the count asked for.
+ * Requires H % KVH == 0, 0 < D <= 256, every size below 2^31 and B*H*T*M below 2^62. */
+TKV_API int tkv_tiered_attention(const float* q, const void* k_pool, const void* v_pool, const int64_t* page_table,
+                                 const int32_t* page_mask, const int64_t* page_index, const int64_t* seq_len,
                                  const int64_t* past, float* out, float* lse, float* page_probs, int64_t B, int64_t H,
                                  int64_t T, int64_t D, int64_t C, int64_t KVH, int64_t P, int64_t M, float scale,
+                                 int32_t kv_dtype, void* workspace, int64_t workspace_bytes, int32_t num_splits,
                                  void* stream);
 
-/* TieredAttention over pools and warm (encoded) pages: the arguments of tkv_tiered_attention,
- * then warm_pool [W, desc->page_bytes] u8 (pages encoded as by tkv_encode_pages, page shape
- * [KVH,P,D] = the pools'), warm_row [B,M] i64 (warm-pool row of listed page m; < 0: read the
- * pools through page_table; >= W: masked), W, desc (host pointer, from tkv_codec_desc with the
- * pools' KVH, P, D). Warm pages are decoded per element on the fly, bit-exact with
- * codec.decode_pages. */
-TKV_API int tkv_tiered_attention_warm(const float* q, const float* k_pool, const float* v_pool,
-                                      const int64_t* page_table, const uint8_t* page_mask, const int64_t* page_index,
+/* TieredAttention over pools and warm (encoded) pages: the arguments of tkv_tiered_attention up
+ * to kv_dtype, then warm_pool [W, desc->page_bytes] bytes (pages encoded as by
+ * tkv_encode_pages, page shape [KVH,P,D] = the pools'; the TensorRT plugin's int32 words
+ * [W, page_bytes / 4] are the same bytes), warm_row [B,M] i64 (warm-pool row of listed page m;
+ * < 0: read the pools through page_table; >= W: masked), W, desc (host pointer, from
+ * tkv_codec_desc with the pools' KVH, P, D; pages of 2^28 values or more are refused), then
+ * workspace, workspace_bytes, num_splits, stream as above. Warm pages are decoded per element
+ * on the fly, bit-exact with codec.decode_pages. */
+TKV_API int tkv_tiered_attention_warm(const float* q, const void* k_pool, const void* v_pool,
+                                      const int64_t* page_table, const int32_t* page_mask, const int64_t* page_index,
                                       const int64_t* seq_len, const int64_t* past, float* out, float* lse,
                                       float* page_probs, int64_t B, int64_t H, int64_t T, int64_t D, int64_t C,
-                                      int64_t KVH, int64_t P, int64_t M, float scale, const uint8_t* warm_pool,
-                                      const int64_t* warm_row, int64_t W, const tkv_codec_desc_t* desc,
-                                      void* stream);
+                                      int64_t KVH, int64_t P, int64_t M, float scale, int32_t kv_dtype,
+                                      const void* warm_pool, const int64_t* warm_row, int64_t W,
+                                      const tkv_codec_desc_t* desc, void* workspace, int64_t workspace_bytes,
+                                      int32_t num_splits, void* stream);
+
+/* The host emulation of TieredAttention (HOST pointers; synchronous; no device needed): the
+ * arguments of tkv_tiered_attention_warm (warm_pool NULL, warm_row NULL, W 0 and desc NULL for
+ * the plain op), then sm_count and num_splits in place of the workspace and stream. It runs the
+ * kernels' algorithm on the CPU block by block: the split plan of tkv_tiered_attention_plan (its
+ * workspace allocated here), the lane layout and page / key assignment of the split kernel
+ * (warps, row groups, the butterfly reductions in their order), its online softmax, per-page
+ * log-sum-exp and block combine, and the merge of the splits, through the same
+ * __host__ __device__ functions the kernels call. Returns 0 or cudaErrorInvalidValue. */
+TKV_API int tkv_tiered_attention_host(const float* q, const void* k_pool, const void* v_pool,
+                                      const int64_t* page_table, const int32_t* page_mask, const int64_t* page_index,
+                                      const int64_t* seq_len, const int64_t* past, float* out, float* lse,
+                                      float* page_probs, int64_t B, int64_t H, int64_t T, int64_t D, int64_t C,
+                                      int64_t KVH, int64_t P, int64_t M, float scale, int32_t kv_dtype,
+                                      const void* warm_pool, const int64_t* warm_row, int64_t W,
+                                      const tkv_codec_desc_t* desc, int32_t sm_count, int32_t num_splits);
 
 /* KVAppend: k_pool, v_pool [C,KVH,P,D]; k_new, v_new [N,KVH,D]; slot, offset [N] i64
- * -> k_pool_out, v_pool_out [C,KVH,P,D] (copies of the pools unless out == in, then in place)
- * with out[slot[n], :, offset[n], :] = new[n]. Elements of elem_bytes bytes (1, 2, 4, 8). */
+ * -> k_pool_out, v_pool_out [C,KVH,P,D] with out[slot[n], :, offset[n], :] = new[n]. In place
+ * when k_pool_out == k_pool and v_pool_out == v_pool (only the N new rows are written; what the
+ * TensorRT plugin does when its outputs alias its inputs), else the pools are first copied to the
+ * outputs. Elements of elem_bytes bytes (1, 2, 4, 8); rows move in 16-, 8- or 4-byte words when
+ * their size and the pointers allow. A token whose slot or offset is out of range is skipped. */
 TKV_API int tkv_kv_append(const void* k_pool, const void* v_pool, const void* k_new, const void* v_new,
                           const int64_t* slot, const int64_t* offset, void* k_pool_out, void* v_pool_out, int64_t C,
                           int64_t KVH, int64_t P, int64_t D, int64_t N, int32_t elem_bytes, void* stream);
 
 /* ImportanceScore: q [B,H,D] f32; kmin, kmax [B,M,KVH,D] f32; page_tokens, distance [B,M] i64;
- * saliency [B,M] f32; page_mask [B,M] bool (1 byte); position_table [NB] f32 -> score [B,M] f32.
- * weights = (w_rel, w_pos, w_sal). */
+ * saliency [B,M] f32; page_mask [B,M] i32 (nonzero = the page competes); position_table [NB] f32
+ * -> score [B,M] f32. weights = (w_rel, w_pos, w_sal). */
 TKV_API int tkv_importance_score(const float* q, const float* kmin, const float* kmax, const int64_t* page_tokens,
-                                 const int64_t* distance, const float* saliency, const uint8_t* page_mask,
+                                 const int64_t* distance, const float* saliency, const int32_t* page_mask,
                                  const float* position_table, float* score, int64_t B, int64_t H, int64_t D,
                                  int64_t M, int64_t KVH, int64_t NB, float w_rel, float w_pos, float w_sal,
                                  float scale, void* stream);

@@ -451,8 +451,8 @@ def test_warm_attention_refuses_a_descriptor_of_other_pages(lib):
 
     def call(d, *, kvh=KVH, p=P, w=1, warm_row=row.data_ptr()):
         null = [None] * 11
-        return lib.tkv_tiered_attention_warm(*null, B, H, T, D, C, kvh, p, M, 0.125, None, warm_row, w,
-                                             None if d is None else ctypes.byref(d), None)
+        return lib.tkv_tiered_attention_warm(*null, B, H, T, D, C, kvh, p, M, 0.125, 0, None, warm_row, w,
+                                             None if d is None else ctypes.byref(d), None, 0, 0, None)
 
     assert call(None) == INVALID
     assert call(desc, kvh=1, p=P) == INVALID  # desc is for 3 kv heads

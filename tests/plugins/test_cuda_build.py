@@ -1,13 +1,16 @@
 """Build plugins/csrc with CMake + nvcc (no GPU needed) and check what the libraries export.
 
-Skipped unless ``nvcc`` and ``cmake`` are on PATH. The TensorRT plugin library is built and
-checked only when the ``TRT_INCLUDE_DIR`` environment variable names a directory holding
-``NvInfer.h``; then a small C++ probe (compiled here against the same headers) loads it without
-TensorRT and checks each creator's name, version, namespace and attribute fields against the
-ONNX nodes of ``tieredkv.plugins.onnx_ops``, and the dtypes each plugin accepts (TieredAttention
-also with a warm codec: 10 inputs). The ctypes binding of the C ABI, ``tieredkv.plugins.cuda_ops``,
-is checked against the header. The build is shared with test_cuda_codec.py (csrc_build).
-"""
+Skipped unless ``nvcc`` and ``cmake`` are on PATH. The build must be free of compiler warnings
+(csrc_build). The TensorRT plugin library is built and checked only when the ``TRT_INCLUDE_DIR``
+environment variable names a directory holding ``NvInfer.h`` (run it against every TensorRT
+header set supported: 10.x and 11.x); then a small C++ probe (compiled here against the same
+headers) loads it without TensorRT and checks each creator's name, version, namespace and
+attribute fields against the ONNX nodes of ``tieredkv.plugins.onnx_ops``, the dtypes each plugin
+accepts (no bool or uint8 plugin tensor; TieredAttention also with a warm codec: 10 inputs), the
+IPluginV3OneBuildV2 build capability and its aliases (KVAppend appends in place), and the
+TieredAttention workspace request. The ctypes binding of the C ABI, ``tieredkv.plugins.cuda_ops``,
+is checked against every declaration of the header. The build is shared with test_codec.py and
+test_cuda_ops.py (csrc_build)."""
 
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from csrc_build import trt_include as _trt_include
 
 from tieredkv.plugins import cuda_ops
 
-C_ABI = ["tkv_tiered_attention", "tkv_tiered_attention_warm", "tkv_kv_append", "tkv_importance_score",
+C_ABI = ["tkv_tiered_attention", "tkv_tiered_attention_warm", "tkv_tiered_attention_host",
+         "tkv_tiered_attention_workspace", "tkv_tiered_attention_plan", "tkv_kv_append", "tkv_importance_score",
          "tkv_codec_desc", "tkv_codec_desc_sizeof", "tkv_encode_pages", "tkv_decode_pages", "tkv_encode_pages_host",
          "tkv_decode_pages_host", "tkv_error_string"]
 
@@ -49,6 +53,7 @@ def test_kernels_library_exports_the_c_abi(build_dir):
 
 #: ctypes types a C parameter type may be bound with (pointers: any pointer type)
 _SCALARS = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "int": ctypes.c_int, "float": ctypes.c_float}
+_RESULTS = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "const char*": ctypes.c_char_p}
 
 
 def _binds(c_param: str, argtype) -> bool:
@@ -66,13 +71,15 @@ def test_cuda_ops_binds_the_c_abi_with_the_header_signatures(build_dir):
 
     lib = cuda_ops.load_library(build_dir / "libtieredkv_kernels.so")  # loads without a GPU
     header = (SOURCE / "tieredkv_kernels.h").read_text()
-    for name in C_ABI:
-        params = re.search(rf"\b{name}\(([^)]*)\)", header).group(1)
+    declared = re.findall(r"TKV_API\s+([^;(]*?)\s*\b(tkv_\w+)\(([^)]*)\)", header)
+    assert sorted(name for _, name, _ in declared) == sorted(C_ABI)  # every declaration is bound and listed
+    for result, name, params in declared:
         params = [] if params.strip() in ("", "void") else [x.strip() for x in params.split(",")]
         argtypes = getattr(lib, name).argtypes
         assert len(argtypes) == len(params), name
         for c_param, argtype in zip(params, argtypes):
             assert _binds(c_param, argtype), (name, c_param, argtype)
+        assert getattr(lib, name).restype is _RESULTS[" ".join(result.split())], (name, result)
     assert lib.tkv_codec_desc_sizeof() == ctypes.sizeof(cuda_ops.CodecDesc)
 
 
@@ -99,10 +106,12 @@ def test_plugin_library_exports_get_creators(plugin_lib):
 #   creator <name> <version> <namespace> <nb fields>
 #   field <name> <type> <length>            (one per field)
 #   check <what> ok|FAIL
+#   alias <getAliasedInput of each output>
 #   accepts <pos> <dtype codes accepted at pos, given earlier positions at their first accepted dtype>
 # (each creator is made with every field: floats 0.25, 0.5, ...; strings empty), then for the
 # TieredAttention variant with warm_codec "int4":
-#   variant <name> <warm_codec>, then check / accepts lines as above (10 inputs)
+#   variant <name> <warm_codec>, then check / accepts lines as above (10 inputs), then
+#   workspace <getWorkspaceSize at the largest sizes of a 70B-like decode>
 _PROBE = r"""
 #include <NvInferRuntime.h>
 #include <dlfcn.h>
@@ -171,6 +180,12 @@ int main(int argc, char** argv) {
                     std::strcmp(build->getInterfaceInfo().kind, "PLUGIN_V3ONE_BUILD") == 0 &&
                     std::strcmp(rt->getInterfaceInfo().kind, "PLUGIN_V3ONE_RUNTIME") == 0;
         std::printf("check capabilities %s\n", same ? "ok" : "FAIL");
+        // the build capability is IPluginV3OneBuildV2 (version 2): it can alias outputs to inputs
+        std::printf("check build_v2 %s\n", build->getInterfaceInfo().major == 2 ? "ok" : "FAIL");
+        auto* build2 = static_cast<IPluginV3OneBuildV2*>(p->getCapabilityInterface(PluginCapabilityType::kBUILD));
+        std::printf("alias");
+        for (int32_t o = 0; o < build->getNbOutputs(); ++o) std::printf(" %d", build2->getAliasedInput(o));
+        std::printf("\n");
         PluginFieldCollection const* ser = rt->getFieldsToSerialize();
         bool values_kept = ser->nbFields == names->nbFields;
         for (int32_t f = 0; values_kept && f < ser->nbFields; ++f) {
@@ -235,7 +250,7 @@ int main(int argc, char** argv) {
         if (again != nullptr) {
             auto* b2 = static_cast<IPluginV3OneBuild*>(again->getCapabilityInterface(PluginCapabilityType::kBUILD));
             io[8].desc.format = TensorFormat::kLINEAR;
-            io[8].desc.type = DataType::kUINT8;
+            io[8].desc.type = DataType::kINT32;
             again_warm = b2->supportsFormatCombination(8, io, 10, 3) && !b2->supportsFormatCombination(0, io, 8, 3);
         }
         std::printf("check serialize_roundtrip %s\n", again_warm ? "ok" : "FAIL");
@@ -253,6 +268,21 @@ int main(int argc, char** argv) {
         std::printf("check plain_refuses_10_inputs %s\n", plain_refuses ? "ok" : "FAIL");
         delete plain;
         print_accepts(build, io, 10, build->getNbOutputs());
+        // workspace at the largest sizes: q [2,64,3,128], pools [100,8,16,128], page_table [2,2048]
+        DynamicPluginTensorDesc ws[13] = {};
+        int64_t const q[4] = {2, 64, 3, 128}, pool[4] = {100, 8, 16, 128}, table[2] = {2, 2048};
+        ws[0].max.nbDims = 4;
+        ws[1].max.nbDims = 4;
+        ws[2].max.nbDims = 4;
+        ws[3].max.nbDims = 2;
+        for (int32_t k = 0; k < 4; ++k) {
+            ws[0].max.d[k] = q[k];
+            ws[1].max.d[k] = pool[k];
+            ws[2].max.d[k] = pool[k];
+        }
+        ws[3].max.d[0] = table[0];
+        ws[3].max.d[1] = table[1];
+        std::printf("workspace %zu\n", build->getWorkspaceSize(ws, 10, ws + 10, 3));
         delete again;
         delete copy;
         delete p;
@@ -261,17 +291,23 @@ int main(int argc, char** argv) {
 }
 """
 
-# DataType codes (NvInferRuntimeBase.h): kFLOAT 0, kHALF 1, kBOOL 4, kUINT8 5, kBF16 7, kINT64 8;
+# DataType codes (NvInferRuntimeBase.h): kFLOAT 0, kHALF 1, kINT32 3, kBF16 7, kINT64 8 (no plugin
+# tensor is kBOOL 4 or kUINT8 5: TensorRT refuses those for plugin I/O);
 # field types (NvInferPluginBase.h): kFLOAT32 1, kCHAR 6
-_F32, _F16, _BOOL, _U8, _BF16, _I64 = 0, 1, 4, 5, 7, 8
+_F32, _F16, _I32, _BF16, _I64 = 0, 1, 3, 7, 8
 _FIELD_F32, _FIELD_CHAR = 1, 6
+# TieredAttention: q f32, k_pool f32 / f16 / bf16 (v_pool: k_pool's type), page_table i64,
+# page_mask i32, page_index / seq_len / past i64, outputs f32
+_ATTENTION = [[_F32], [_F32, _F16, _BF16], [_F32], [_I64], [_I32], [_I64], [_I64], [_I64]]
 _EXPECTED_TYPES = {
-    "TieredAttention": [[_F32]] * 3 + [[_I64], [_BOOL], [_I64], [_I64], [_I64]] + [[_F32]] * 3,
-    # with warm_codec: + warm_pool uint8 [W, NB], warm_row int64 [B, M]
-    "TieredAttention int4": [[_F32]] * 3 + [[_I64], [_BOOL], [_I64], [_I64], [_I64], [_U8], [_I64]] + [[_F32]] * 3,
+    "TieredAttention": _ATTENTION + [[_F32]] * 3,
+    # with warm_codec: + warm_pool int32 words [W, NB / 4], warm_row int64 [B, M]
+    "TieredAttention int4": _ATTENTION + [[_I32], [_I64]] + [[_F32]] * 3,
     "KVAppend": [[_F32, _F16, _BF16]] + [[_F32]] * 3 + [[_I64], [_I64]] + [[_F32]] * 2,
-    "ImportanceScore": [[_F32]] * 3 + [[_I64], [_I64], [_F32], [_BOOL], [_F32], [_F32]],
+    "ImportanceScore": [[_F32]] * 3 + [[_I64], [_I64], [_F32], [_I32], [_F32], [_F32]],
 }
+#: getAliasedInput of each output: KVAppend appends in place (k_pool_out -> k_pool, v_pool_out -> v_pool)
+_EXPECTED_ALIASES = {"TieredAttention": [-1, -1, -1], "KVAppend": [0, 1], "ImportanceScore": [-1]}
 _EXPECTED_FIELDS = {
     "TieredAttention": [("scale", _FIELD_F32, 1), ("warm_codec", _FIELD_CHAR, 0)],  # warm_codec: any length
     "KVAppend": [],
@@ -310,6 +346,10 @@ def test_plugin_creators_match_the_onnx_nodes(plugin_lib, tmp_path):
             current["checks"][rest[0]] = rest[1]
         elif kind == "accepts":
             current["accepts"].append([int(x) for x in rest[1:]])
+        elif kind == "alias":
+            current["alias"] = [int(x) for x in rest]
+        elif kind == "workspace":
+            current["workspace"] = int(rest[0])
 
     assert set(creators) == {TIERED_ATTENTION, KV_APPEND, IMPORTANCE_SCORE}
     for name, info in creators.items():
@@ -317,10 +357,15 @@ def test_plugin_creators_match_the_onnx_nodes(plugin_lib, tmp_path):
         assert info["fields"] == _EXPECTED_FIELDS[name], name
         assert info["checks"] and set(info["checks"].values()) == {"ok"}, (name, info["checks"])
         assert info["accepts"] == _EXPECTED_TYPES[name], name
+        assert info["alias"] == _EXPECTED_ALIASES[name], name
     assert set(variants) == {"TieredAttention int4"}, out
     for name, info in variants.items():
         assert info["checks"] == {check: "ok" for check in _VARIANT_CHECKS}, (name, info["checks"])
         assert info["accepts"] == _EXPECTED_TYPES[name], name
+    # the plugin asks TensorRT for the kernels' workspace bound at the largest sizes (split partials)
+    kernels = cuda_ops.load_library(plugin_lib.parent / "libtieredkv_kernels.so")
+    want = cuda_ops.attention_workspace_bytes(2, 64, 3, 128, 8, 2048, lib=kernels)
+    assert want > 0 and variants["TieredAttention int4"]["workspace"] == want
 
 
 def test_tiered_attention_warm_inputs_follow_the_onnx_node():

@@ -3,11 +3,13 @@
 Without a GPU and without the library: every op checks its tensors (dtype, shape, contiguity,
 device) and raises ValueError naming the argument before the library is loaded (the calls
 here name a library that does not exist, so reaching it would raise KernelLibraryError
-instead); the library is found at ``lib=``, ``$TIEREDKV_KERNELS`` or the default path, and a
-missing one raises KernelLibraryError; the module imports with torch only (as on a bare GPU
-machine). With nvcc (the csrc_build library): the host codec functions found through
-``$TIEREDKV_KERNELS`` equal the reference bit for bit. The ops on CUDA tensors are compared
-with the references by each op's test module (``cuda`` marker; tools/gpu_check.sh on a GPU).
+instead), and takes the plugin input types (int32 masks, int32-word warm pools, 16-bit pools);
+the library is found at ``lib=``, ``$TIEREDKV_KERNELS`` or the default path, and a missing one
+raises KernelLibraryError; the module imports with torch only (as on a bare GPU machine). With
+nvcc (the csrc_build library): the host codec functions found through ``$TIEREDKV_KERNELS``
+equal the reference bit for bit. The ops on CUDA tensors are compared with the references by
+each op's test module (``cuda`` marker; tools/gpu_check.sh on a GPU); the TieredAttention host
+emulation by test_tiered_attention_kernel.py.
 """
 
 from __future__ import annotations
@@ -52,6 +54,13 @@ def _warm() -> dict:
                                warm_row=torch.full((B, M), -1, dtype=torch.int64))
 
 
+def _attention_host() -> dict:
+    """The plugin's input types: an int32 page mask, fp16 pools, warm pages as int32 words."""
+    inputs = _warm()
+    return inputs | dict(page_mask=inputs["page_mask"].to(torch.int32), k_pool=inputs["k_pool"].half(),
+                         v_pool=inputs["v_pool"].half(), warm_pool=inputs["warm_pool"].view(torch.int32))
+
+
 def _kv_append() -> dict:
     return kv_append_inputs(_gen(), C=C, KVH=KVH, P=P, D=D, N=N)
 
@@ -83,6 +92,8 @@ OPS = {
     "tiered_attention": Op(cuda_ops.tiered_attention, _attention, dict(scale=0.5), ("q", "page_table")),
     "tiered_attention_warm": Op(cuda_ops.tiered_attention_warm, _warm, dict(desc=_desc(KVH, P, D, BYTES)),
                                 ("q", "page_table")),
+    "tiered_attention_host": Op(cuda_ops.tiered_attention_host, _attention_host,
+                                dict(desc=_desc(KVH, P, D, BYTES), sm_count=132), ("q", "page_table"), host=True),
     "kv_append": Op(cuda_ops.kv_append, _kv_append, {}, ("k_pool",)),
     "importance_score": Op(cuda_ops.importance_score, _importance, dict(weights=(0.4, 0.3, 0.3)),
                            ("q", "position_table")),
@@ -93,7 +104,7 @@ OPS = {
 }
 
 _OTHER_DTYPE = {torch.float32: torch.float64, torch.int64: torch.int32, torch.bool: torch.uint8,
-                torch.uint8: torch.int8}
+                torch.uint8: torch.int8, torch.int32: torch.int16, torch.float16: torch.float64}
 
 
 def _broken(t: torch.Tensor, how: str, op: str, name: str) -> torch.Tensor:
@@ -152,6 +163,36 @@ def test_valid_host_arguments_reach_the_library(op):
     spec = OPS[op]
     with pytest.raises(KernelLibraryError, match=re.escape(str(MISSING))):
         _call(spec, spec.tensors())
+
+
+def test_attention_takes_the_plugin_input_types():
+    """int32 page masks, uint8 or int32-word warm pools and float32 / float16 / bfloat16 pools pass
+    the checks (the missing library is what stops the call); other dtypes name the argument."""
+    host = OPS["tiered_attention_host"]
+    for pool in (torch.float32, torch.float16, torch.bfloat16):
+        for mask in (torch.bool, torch.int32):
+            for words in (False, True):
+                t = _warm()
+                t = t | dict(k_pool=t["k_pool"].to(pool), v_pool=t["v_pool"].to(pool),
+                             page_mask=t["page_mask"].to(mask),
+                             warm_pool=t["warm_pool"].view(torch.int32) if words else t["warm_pool"])
+                with pytest.raises(KernelLibraryError):
+                    _call(host, t)
+    t = _attention_host()
+    with pytest.raises(ValueError, match=r"^v_pool: expected dtype torch.float16, got torch.float32"):
+        _call(host, t | dict(v_pool=t["v_pool"].float()))
+    with pytest.raises(ValueError, match=r"^k_pool: expected dtype float32, float16 or bfloat16, got torch.int8"):
+        _call(host, t | dict(k_pool=t["k_pool"].to(torch.int8), v_pool=t["v_pool"].to(torch.int8)))
+    with pytest.raises(ValueError, match=r"^warm_pool: expected shape \[W, page_bytes / 4\] = \[\*, 16\]"):
+        _call(host, t | dict(warm_pool=torch.zeros(W, BYTES, dtype=torch.int32)))
+    with pytest.raises(ValueError, match=r"^warm_pool, warm_row and desc go together"):
+        _call(host, {k: v for k, v in t.items() if k != "warm_row"})
+    with pytest.raises(ValueError, match=r"^num_splits: expected an int >= 0"):
+        _call(host, t, num_splits=-1)
+    with pytest.raises(ValueError, match=r"^sm_count: expected an int >= 0"):
+        _call(host, t, sm_count=-2)
+    with pytest.raises(ValueError, match=r"^num_splits: expected an int >= 0"):
+        _call(OPS["tiered_attention"], _attention(), num_splits=1.5)
 
 
 def test_outputs_are_checked_like_inputs():

@@ -1,6 +1,7 @@
 """KVAppend: the reference writes exactly the listed places (as a copy, into given outputs, or
-in place), and every implementation (ONNX node in ONNX Runtime, CUDA kernel) equals it bit for
-bit, for the pool dtypes each supports."""
+in place), and every implementation (ONNX node in ONNX Runtime, CUDA kernel as a copy and in
+place, also with rows and pointers that allow only narrow words) equals it bit for bit, for the
+pool dtypes each supports."""
 
 import pytest
 import torch
@@ -84,6 +85,37 @@ def test_implementation_is_bit_exact(impl, dtype, case, request):
     want_k, want_v = kv_append(**inputs)
     for k, v in run(impl, inputs, request):
         assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
+def _unaligned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` whose data starts one element past a 16-byte boundary."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:]
+    out = flat.view(t.shape)
+    out.copy_(t)
+    assert out.is_contiguous() and out.data_ptr() % 16 != 0
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_rows_move_in_the_widest_words_the_pointers_allow(kernels, dtype):
+    """Rows move in 16-byte words where the row size and the pointers allow, else 8, 4, 2 bytes:
+    pools and new tokens one element off a 16-byte boundary (2- or 4-byte words) and rows of
+    24 / 48 bytes (8 / 16), copied and in place, equal the reference bit for bit."""
+    from tieredkv.plugins import cuda_ops
+
+    for case in (dict(C=7, KVH=2, P=5, D=12, N=6), dict(C=5, KVH=3, P=4, D=64, N=9)):
+        inputs = make(case, dtype)
+        want_k, want_v = kv_append(**inputs)
+        dev = on_cuda(inputs)
+        for name in ("k_pool", "v_pool", "k_new", "v_new"):
+            dev[name] = _unaligned(dev[name])
+        copy = cuda_ops.kv_append(**dev, lib=kernels)
+        pools = (dev["k_pool"], dev["v_pool"])
+        cuda_ops.kv_append(**dev, out=pools, lib=kernels)
+        torch.cuda.synchronize()
+        for k, v in (copy, pools):
+            assert torch.equal(k.cpu(), want_k) and torch.equal(v.cpu(), want_v)
 
 
 def test_onnx_node_form():

@@ -240,10 +240,12 @@ TKV_HD void store_u16(uint8_t* p, uint16_t v) {
 
 //! Code c of a section of `bits`-bit codes, packed little-endian: code c occupies bits
 //! [c * bits, (c + 1) * bits) of the section (for 6 bits: 4 codes per 3-byte word).
-TKV_HD uint32_t load_code(const uint8_t* section, int64_t c, int bits) {
+//! `Index` is int64_t (any page) or int32_t (PageReader: pages under 2^28 values).
+template <typename Index>
+TKV_HD uint32_t load_code(const uint8_t* section, Index c, int bits) {
     if (bits == 8) return section[c];
-    const int64_t bit = c * bits;
-    const int64_t byte = bit >> 3;
+    const Index bit = c * bits;
+    const Index byte = bit >> 3;
     const int shift = static_cast<int>(bit & 7);
     uint32_t word = section[byte];
     if (shift + bits > 8) word |= static_cast<uint32_t>(section[byte + 1]) << 8;
@@ -311,11 +313,16 @@ TKV_HD uint32_t quantize_value(const tkv_codec_desc_t& desc, float x, const Grou
     return static_cast<uint32_t>(add_rn(q, half));
 }
 
+//! codec.dequantize of one code of a codec with these base / bits / asym (TKV_CODEC_*).
+TKV_HD float dequantize_code(int32_t base, int32_t bits, int32_t asym, uint32_t code, float scale, float zero) {
+    if (base == TKV_CODEC_FP8) return mul_rn(fp8_value(static_cast<uint8_t>(code)), scale);
+    if (asym) return add_rn(mul_rn(static_cast<float>(code), scale), zero);
+    return mul_rn(sub_rn(static_cast<float>(code), static_cast<float>(1 << (bits - 1))), scale);
+}
+
 //! codec.dequantize of one code.
 TKV_HD float dequantize_value(const tkv_codec_desc_t& desc, uint32_t code, const GroupParams& gp) {
-    if (desc.base == TKV_CODEC_FP8) return mul_rn(fp8_value(static_cast<uint8_t>(code)), gp.scale);
-    if (desc.asym) return add_rn(mul_rn(static_cast<float>(code), gp.scale), gp.zero);
-    return mul_rn(sub_rn(static_cast<float>(code), static_cast<float>(1 << (desc.bits - 1))), gp.scale);
+    return dequantize_code(desc.base, desc.bits, desc.asym, code, gp.scale, gp.zero);
 }
 
 //! codec.quantize_residual of one residual, with the scale the encoder used (the stored one,
@@ -355,6 +362,84 @@ TKV_HD float decode_value(const tkv_codec_desc_t& desc, const uint8_t* page, int
     double acc = static_cast<double>(half_value(load_u16(frames + 2 * ((h * desc.keyframes_per_page + key) * desc.d + j))));
     for (int64_t s = key * desc.keyframe + 1; s <= t; ++s) {
         acc += static_cast<double>(decode_group_value(desc, page, role, h, s, j));
+    }
+    return static_cast<float>(acc);
+}
+
+// ------------------------------------------------------------------------------ decode, 32-bit
+// decode_value with the layout pre-digested for one launch: 32-bit offsets and code indices, and
+// the group of a code found without a division (token-axis groups hold gcd(group, D) values, a
+// power of two: a shift; channel-axis groups are the P tokens of one (head, channel): the
+// group index is h * D + j). The warm TieredAttention decodes every K / V element it reads
+// with it; the arithmetic on the values is decode_value's, so the result is the same bit for bit.
+
+//! desc's page layout for decode_value32 (make_page_reader).
+struct PageReader {
+    int32_t base, bits, asym, residual_bits, keyframe, keyframes_per_page;
+    int32_t p, d;
+    int32_t channel[2];      //!< per role: 1 = TKV_AXIS_CHANNEL groups
+    int32_t group_shift[2];  //!< per role, token axis: log2 of the group size
+    int32_t offset[2][TKV_CODEC_SECTIONS];
+};
+
+//! The reader of a valid descriptor; false when a page holds 2^28 values or more (32-bit bit
+//! offsets) or a token-axis group size is not a power of two (no codec of kCodecs has one).
+inline bool make_page_reader(const tkv_codec_desc_t& desc, PageReader* out) {
+    if (!codec_desc_valid(&desc) || desc.values >= (int64_t{1} << 28) || desc.page_bytes >= (int64_t{1} << 30)) {
+        return false;
+    }
+    PageReader r;
+    std::memset(&r, 0, sizeof(r));
+    r.base = desc.base;
+    r.bits = desc.bits;
+    r.asym = desc.asym;
+    r.residual_bits = desc.residual_bits;
+    r.keyframe = desc.keyframe;
+    r.keyframes_per_page = desc.keyframes_per_page;
+    r.p = static_cast<int32_t>(desc.p);
+    r.d = static_cast<int32_t>(desc.d);
+    for (int role = 0; role < 2; ++role) {
+        r.channel[role] = desc.axis[role] == TKV_AXIS_CHANNEL ? 1 : 0;
+        const int64_t size = desc.group_size[role];
+        if (!r.channel[role]) {
+            if (size <= 0 || (size & (size - 1)) != 0) return false;
+            while ((int64_t{1} << r.group_shift[role]) < size) ++r.group_shift[role];
+        }
+        for (int s = 0; s < TKV_CODEC_SECTIONS; ++s) r.offset[role][s] = static_cast<int32_t>(desc.offset[role][s]);
+    }
+    *out = r;
+    return true;
+}
+
+//! decode_group_value in 32-bit index arithmetic (h, t, j: kv head, token, channel of the page).
+TKV_HD float group_value32(const PageReader& r, const uint8_t* page, int role, int32_t h, int32_t t, int32_t j) {
+    int32_t c, g;
+    if (r.channel[role]) {
+        g = h * r.d + j;
+        c = g * r.p + t;
+    } else {
+        c = (h * r.p + t) * r.d + j;
+        g = c >> r.group_shift[role];
+    }
+    const int32_t* off = r.offset[role];
+    const float scale = bf16_value(load_u16(page + off[TKV_SECTION_SCALE] + 2 * g));
+    const float zero = r.asym ? half_value(load_u16(page + off[TKV_SECTION_ZERO] + 2 * g)) : 0.f;
+    const float x = dequantize_code(r.base, r.bits, r.asym, load_code(page + off[TKV_SECTION_CODES], c, r.bits), scale,
+                                    zero);
+    if (!r.residual_bits) return x;
+    const float rscale = bf16_value(load_u16(page + off[TKV_SECTION_RSCALE] + 2 * g));
+    const uint32_t rcode = load_code(page + off[TKV_SECTION_RCODES], c, r.residual_bits);
+    return add_rn(x, dequantize_residual_value(rcode, rscale));
+}
+
+//! decode_value (bit-exact with codec.decode_pages) in 32-bit index arithmetic.
+TKV_HD float decode_value32(const PageReader& r, const uint8_t* page, int role, int32_t h, int32_t t, int32_t j) {
+    if (!r.keyframe) return group_value32(r, page, role, h, t, j);
+    const int32_t key = t / r.keyframe;
+    const uint8_t* frames = page + r.offset[role][TKV_SECTION_KEYFRAMES];
+    double acc = static_cast<double>(half_value(load_u16(frames + 2 * ((h * r.keyframes_per_page + key) * r.d + j))));
+    for (int32_t s = key * r.keyframe + 1; s <= t; ++s) {
+        acc += static_cast<double>(group_value32(r, page, role, h, s, j));
     }
     return static_cast<float>(acc);
 }
@@ -511,6 +596,7 @@ TKV_HD void encode_padding(const tkv_codec_desc_t& desc, int role, uint8_t* page
     }
 }
 
+#ifndef TKV_CODEC_FUNCTIONS_ONLY  // translation units that only need the element functions skip the kernels
 // ------------------------------------------------------------------------------ kernels
 constexpr int kCodecThreads = 256;
 
@@ -620,6 +706,8 @@ inline cudaError_t decode_pages_host(const uint8_t* data, float* k, float* v, in
     }
     return cudaSuccess;
 }
+
+#endif  // TKV_CODEC_FUNCTIONS_ONLY
 
 }  // namespace codec
 }  // namespace kernels

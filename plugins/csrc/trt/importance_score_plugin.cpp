@@ -2,7 +2,7 @@
 // tkv_importance_score (kernels/importance_score.cuh). Attributes: weights (kFLOAT32 x 3:
 // relevance, position, saliency), scale (kFLOAT32 x 1).
 //   inputs  q [B,H,D] f32, kmin [B,M,KVH,D] f32, kmax [B,M,KVH,D] f32, page_tokens [B,M] i64,
-//           distance [B,M] i64, saliency [B,M] f32, page_mask [B,M] bool, position_table [NB] f32
+//           distance [B,M] i64, saliency [B,M] f32, page_mask [B,M] i32 (nonzero = kept), position_table [NB] f32
 //   output  score [B,M] f32
 #include "plugin_common.h"
 #include "tieredkv_kernels.h"
@@ -22,7 +22,7 @@ constexpr int32_t kInputs = 8;
 constexpr int32_t kOutputs = 1;
 constexpr DataType kTypes[kInputs + kOutputs] = {
     DataType::kFLOAT, DataType::kFLOAT, DataType::kFLOAT, DataType::kINT64, DataType::kINT64,
-    DataType::kFLOAT, DataType::kBOOL,  DataType::kFLOAT, DataType::kFLOAT};
+    DataType::kFLOAT, DataType::kINT32, DataType::kFLOAT, DataType::kFLOAT};
 
 class ImportanceScorePlugin final : public PluginBase {
 public:
@@ -83,7 +83,7 @@ public:
             static_cast<float const*>(inputs[0]), static_cast<float const*>(inputs[1]),
             static_cast<float const*>(inputs[2]), static_cast<int64_t const*>(inputs[3]),
             static_cast<int64_t const*>(inputs[4]), static_cast<float const*>(inputs[5]),
-            static_cast<uint8_t const*>(inputs[6]), static_cast<float const*>(inputs[7]),
+            static_cast<int32_t const*>(inputs[6]), static_cast<float const*>(inputs[7]),
             static_cast<float*>(outputs[0]), q.d[0], q.d[1], q.d[2], kmin.d[1], kmin.d[2], nb, mWeights[0],
             mWeights[1], mWeights[2], mScale, stream);
         return status == 0 ? 0 : fail(std::string("kernel launch failed: ") + tkv_error_string(status));

@@ -1,6 +1,9 @@
-// TensorRT IPluginV3 "KVAppend" (namespace "tieredkv", version "1"); enqueue copies the pools
-// to the outputs (cudaMemcpyAsync) and scatters the new tokens: tkv_kv_append
-// (kernels/kv_append.cuh). No attributes.
+// TensorRT IPluginV3 "KVAppend" (namespace "tieredkv", version "1"); enqueue runs tkv_kv_append
+// (kernels/kv_append.cuh): it scatters the N new tokens into the output pools, after copying the
+// pools to the outputs only when they are other buffers. The outputs alias the pools
+// (IPluginV3OneBuildV2::getAliasedInput: k_pool_out -> k_pool, v_pool_out -> v_pool), so with
+// PreviewFeature::kALIASED_PLUGIN_IO_10_03 TensorRT hands the same buffers and the append is in
+// place (no pool copy); without it TensorRT ignores the alias and the plugin copies. No attributes.
 //   inputs  k_pool, v_pool [C,KVH,P,D], k_new, v_new [N,KVH,D] (all one type: f32, f16 or bf16),
 //           slot [N] i64, offset [N] i64
 //   outputs k_pool_out, v_pool_out [C,KVH,P,D] (the pools' type)
@@ -36,6 +39,11 @@ public:
     nvinfer1::IPluginV3* clone() noexcept override { return new (std::nothrow) KVAppendPlugin(*this); }
 
     int32_t getNbOutputs() const noexcept override { return kOutputs; }
+
+    //! k_pool_out is k_pool (input 0), v_pool_out is v_pool (input 1): an in-place append.
+    int32_t getAliasedInput(int32_t outputIndex) noexcept override {
+        return outputIndex == 0 || outputIndex == 1 ? outputIndex : -1;
+    }
 
     int32_t getOutputDataTypes(DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes,
                                int32_t nbInputs) const noexcept override {

@@ -41,11 +41,14 @@ inline bool is_linear(nvinfer1::DynamicPluginTensorDesc const& d, nvinfer1::Data
     return d.desc.format == nvinfer1::TensorFormat::kLINEAR && d.desc.type == type;
 }
 
-//! The boilerplate of a V3One plugin: capability lookup, names, no tactics, no workspace,
-//! attachToContext = clone. A plugin adds its attributes, shapes, types and enqueue.
+//! The boilerplate of a V3One plugin: capability lookup, names, no tactics, no workspace (unless
+//! the plugin overrides getWorkspaceSize), attachToContext = clone. A plugin adds its
+//! attributes, shapes, types and enqueue. The build capability is IPluginV3OneBuildV2 (TensorRT
+//! >= 10.3): no output aliases an input (getAliasedInput = -1) unless the plugin says so
+//! (KVAppend; TensorRT calls it only with PreviewFeature::kALIASED_PLUGIN_IO_10_03).
 class PluginBase : public nvinfer1::IPluginV3,
                    public nvinfer1::IPluginV3OneCore,
-                   public nvinfer1::IPluginV3OneBuild,
+                   public nvinfer1::IPluginV3OneBuildV2,
                    public nvinfer1::IPluginV3OneRuntime {
 public:
     explicit PluginBase(char const* name) noexcept : mName(name) {}
@@ -60,6 +63,7 @@ public:
     char const* getPluginNamespace() const noexcept override { return kPluginNamespace; }
 
     // IPluginV3OneBuild (the rest is per plugin)
+    int32_t getAliasedInput(int32_t /* outputIndex */) noexcept override { return -1; }
     int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
                             nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
 

@@ -1,12 +1,16 @@
 // TensorRT IPluginV3 "TieredAttention" (namespace "tieredkv", version "1"); enqueue runs
 // tkv_tiered_attention, or with a warm codec tkv_tiered_attention_warm
-// (kernels/tiered_attention.cuh). Attributes: scale (kFLOAT32 x 1), warm_codec (kCHAR, optional:
-// absent or empty = the plain 8-input op; else a codec name of tieredkv.plugins.codec.CODECS).
-//   inputs  q [B,H,T,D] f32, k_pool [C,KVH,P,D] f32, v_pool [C,KVH,P,D] f32, page_table [B,M] i64,
-//           page_mask [B,M] bool, page_index [B,M] i64, seq_len [B] i64, past [B] i64
-//           (+ with warm_codec: warm_pool [W,NB] u8, NB = the codec's page bytes for [KVH,P,D];
-//            warm_row [B,M] i64)
+// (kernels/tiered_attention.cuh: split-K flash-decoding, its partials in the plugin's workspace).
+// Attributes: scale (kFLOAT32 x 1), warm_codec (kCHAR, optional: absent or empty = the plain
+// 8-input op; else a codec name of tieredkv.plugins.codec.CODECS).
+//   inputs  q [B,H,T,D] f32, k_pool [C,KVH,P,D] f32 / f16 / bf16, v_pool [C,KVH,P,D] (k_pool's
+//           type), page_table [B,M] i64, page_mask [B,M] i32 (nonzero = kept), page_index [B,M]
+//           i64, seq_len [B] i64, past [B] i64
+//           (+ with warm_codec: warm_pool [W,NB/4] i32 = the encoded pages' bytes as little-endian
+//            words, NB = the codec's page bytes for [KVH,P,D] (a multiple of 128); warm_row [B,M] i64)
 //   outputs out [B,H,T,D] f32, lse [B,H,T] f32, page_probs [B,H,T,M] f32
+// Workspace: tkv_tiered_attention_workspace of the largest sizes (non-decreasing in every size,
+// so it serves every smaller call).
 #include "plugin_common.h"
 #include "tieredkv_kernels.h"
 
@@ -25,10 +29,22 @@ constexpr char kWarmCodecField[] = "warm_codec";
 constexpr int32_t kPlainInputs = 8;
 constexpr int32_t kWarmInputs = 10;  //!< + warm_pool, warm_row
 constexpr int32_t kOutputs = 3;
-//! input types by position (the warm inputs last), then the output types
+//! input types by position (the warm inputs last; the pools, positions 1 and 2, are any of
+//! kPoolTypes, both one type), then the output types
 constexpr DataType kInputTypes[kWarmInputs] = {DataType::kFLOAT, DataType::kFLOAT, DataType::kFLOAT, DataType::kINT64,
-                                               DataType::kBOOL,  DataType::kINT64, DataType::kINT64, DataType::kINT64,
-                                               DataType::kUINT8, DataType::kINT64};
+                                               DataType::kINT32, DataType::kINT64, DataType::kINT64, DataType::kINT64,
+                                               DataType::kINT32, DataType::kINT64};
+constexpr DataType kPoolTypes[] = {DataType::kFLOAT, DataType::kHALF, DataType::kBF16};
+
+//! TKV_DTYPE_* of a pool type, -1 for another type.
+int32_t kv_dtype(DataType type) noexcept {
+    switch (type) {
+        case DataType::kFLOAT: return TKV_DTYPE_F32;
+        case DataType::kHALF: return TKV_DTYPE_F16;
+        case DataType::kBF16: return TKV_DTYPE_BF16;
+        default: return -1;
+    }
+}
 constexpr DataType kOutputType = DataType::kFLOAT;
 //! Longest codec name kept (the names of codec.CODECS are far shorter).
 constexpr size_t kMaxCodecName = 31;
@@ -77,6 +93,13 @@ public:
                                    int32_t nbOutputs) noexcept override {
         int32_t const nin = expectedInputs();
         if (nbInputs != nin || nbOutputs != kOutputs || pos < 0 || pos >= nin + kOutputs) return false;
+        if (pos == 1) {
+            for (DataType type : kPoolTypes) {
+                if (is_linear(inOut[1], type)) return true;
+            }
+            return false;
+        }
+        if (pos == 2) return is_linear(inOut[2], inOut[1].desc.type);
         return is_linear(inOut[pos], pos < nin ? kInputTypes[pos] : kOutputType);
     }
 
@@ -90,6 +113,9 @@ public:
         }
         if (pool.d[3] != q.d[3] || pool.d[1] <= 0 || q.d[1] % pool.d[1] != 0) {
             return fail("pools must be [C, KVH, P, D] with the query's D and H a multiple of KVH");
+        }
+        for (int32_t k = 0; k < 4; ++k) {
+            if (in[2].dims.d[k] != pool.d[k]) return fail("k_pool and v_pool must have one shape [C, KVH, P, D]");
         }
         if (q.d[3] > 256) return fail("head dim " + std::to_string(q.d[3]) + " > 256 is not supported");
         if (!warm()) return 0;
@@ -106,25 +132,43 @@ public:
                         std::to_string(pool.d[1]) + "," + std::to_string(pool.d[2]) + "," + std::to_string(pool.d[3]) +
                         "]");
         }
-        if (warm_pool.d[1] != desc.page_bytes) {
-            return fail("warm_pool rows must be " + std::to_string(desc.page_bytes) + " bytes (" + mWarmCodec +
+        if (warm_pool.d[1] * 4 != desc.page_bytes) {
+            return fail("warm_pool rows must be " + std::to_string(desc.page_bytes / 4) + " int32 words (" +
+                        std::to_string(desc.page_bytes) + " bytes of " + mWarmCodec +
                         " pages [KVH,P,D] of the pools), got " + std::to_string(warm_pool.d[1]));
         }
         return 0;
     }
 
+    //! Partials of the split plan: tkv_tiered_attention_workspace of the largest sizes.
+    size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
+                            nvinfer1::DynamicPluginTensorDesc const* /* outputs */,
+                            int32_t /* nbOutputs */) const noexcept override {
+        if (nbInputs < kPlainInputs || inputs[0].max.nbDims != 4 || inputs[1].max.nbDims != 4 ||
+            inputs[3].max.nbDims != 2) {
+            return 0;
+        }
+        nvinfer1::Dims const& q = inputs[0].max;
+        int64_t const bytes = tkv_tiered_attention_workspace(q.d[0], q.d[1], q.d[2], q.d[3], inputs[1].max.d[1],
+                                                             inputs[3].max.d[1]);
+        return bytes > 0 ? static_cast<size_t>(bytes) : 0;
+    }
+
     int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* /* outputDesc */,
-                    void const* const* inputs, void* const* outputs, void* /* workspace */,
+                    void const* const* inputs, void* const* outputs, void* workspace,
                     cudaStream_t stream) noexcept override {
         nvinfer1::Dims const& q = inputDesc[0].dims;     // [B, H, T, D]
         nvinfer1::Dims const& pool = inputDesc[1].dims;  // [C, KVH, P, D]
         int64_t const m = inputDesc[3].dims.d[1];        // page_table [B, M]
+        int32_t const dtype = kv_dtype(inputDesc[1].type);
+        // getWorkspaceSize gave the bound at the largest sizes, which is at least this (monotone)
+        int64_t const ws_bytes = tkv_tiered_attention_workspace(q.d[0], q.d[1], q.d[2], q.d[3], pool.d[1], m);
         // inputs 0-7 and the three outputs are the same for both variants (docs/plugins.md)
         auto const* qv = static_cast<float const*>(inputs[0]);
-        auto const* k_pool = static_cast<float const*>(inputs[1]);
-        auto const* v_pool = static_cast<float const*>(inputs[2]);
+        void const* k_pool = inputs[1];
+        void const* v_pool = inputs[2];
         auto const* page_table = static_cast<int64_t const*>(inputs[3]);
-        auto const* page_mask = static_cast<uint8_t const*>(inputs[4]);
+        auto const* page_mask = static_cast<int32_t const*>(inputs[4]);
         auto const* page_index = static_cast<int64_t const*>(inputs[5]);
         auto const* seq_len = static_cast<int64_t const*>(inputs[6]);
         auto const* past = static_cast<int64_t const*>(inputs[7]);
@@ -136,16 +180,16 @@ public:
             tkv_codec_desc_t desc;  // a few integer ops: built per call, the plugin keeps no shape state
             status = tkv_codec_desc(mWarmCodec, pool.d[1], pool.d[2], pool.d[3], &desc);
             if (status != 0) return fail(std::string("warm_codec '") + mWarmCodec + "': bad page shape");
+            // warm_pool [W, NB / 4] int32: the encoded bytes, read as bytes by the kernel
             status = tkv_tiered_attention_warm(qv, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past,
                                                out, lse, page_probs, q.d[0], q.d[1], q.d[2], q.d[3], pool.d[0],
-                                               pool.d[1], pool.d[2], m, mScale,
-                                               static_cast<uint8_t const*>(inputs[8]),
+                                               pool.d[1], pool.d[2], m, mScale, dtype, inputs[8],
                                                static_cast<int64_t const*>(inputs[9]), inputDesc[8].dims.d[0], &desc,
-                                               stream);
+                                               workspace, ws_bytes, 0, stream);
         } else {
             status = tkv_tiered_attention(qv, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, out,
                                           lse, page_probs, q.d[0], q.d[1], q.d[2], q.d[3], pool.d[0], pool.d[1],
-                                          pool.d[2], m, mScale, stream);
+                                          pool.d[2], m, mScale, dtype, workspace, ws_bytes, 0, stream);
         }
         return status == 0 ? 0 : fail(std::string("kernel launch failed: ") + tkv_error_string(status));
     }
