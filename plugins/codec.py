@@ -175,7 +175,7 @@ def encode(x: torch.Tensor, spec: CodecSpec, *, role: str = "k") -> dict[str, to
     out: dict[str, torch.Tensor] = {}
     if spec.keyframe:
         # keyframes (fp16) and open-loop differences to the previous token
-        t = torch.arange(x.shape[1])
+        t = torch.arange(x.shape[1], device=x.device)
         key = (t % spec.keyframe) == 0
         xs = sanitize(x.reshape(-1, x.shape[-1])).reshape(x.shape)
         out["keyframes"] = xs[:, key].clamp(-FP16_MAX, FP16_MAX).half()
@@ -198,7 +198,7 @@ def decode(enc: dict[str, torch.Tensor], spec: CodecSpec, shape: tuple[int, int,
         xg = xg + dequantize_residual(enc)
     x = _from_groups(xg, axis, shape)
     if spec.keyframe:
-        t = torch.arange(shape[1])
+        t = torch.arange(shape[1], device=x.device)
         key = (t % spec.keyframe) == 0
         x = torch.where(key.view(1, -1, 1), torch.zeros_like(x), x)
         x[:, key] = enc["keyframes"].float()
@@ -280,7 +280,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return flat.to(torch.uint8)
     if bits in (2, 4):
         per = 8 // bits
-        v = flat.view(-1, per) << (torch.arange(per, dtype=torch.int32) * bits)
+        v = flat.view(-1, per) << (torch.arange(per, dtype=torch.int32, device=flat.device) * bits)
         return v.sum(-1).to(torch.uint8)
     if bits == 6:
         v = flat.view(-1, 4)
@@ -295,7 +295,7 @@ def unpack(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
         return flat[:count].to(torch.uint8)
     if bits in (2, 4):
         per = 8 // bits
-        v = (flat.view(-1, 1) >> (torch.arange(per, dtype=torch.int32) * bits)) & (2 ** bits - 1)
+        v = (flat.view(-1, 1) >> (torch.arange(per, dtype=torch.int32, device=flat.device) * bits)) & (2 ** bits - 1)
         return v.flatten()[:count].to(torch.uint8)
     if bits == 6:
         b = flat.view(-1, 3)
@@ -326,7 +326,7 @@ def encode_pages(k: torch.Tensor, v: torch.Tensor, spec: CodecSpec) -> torch.Ten
     ``encode`` of each page, serialized."""
     n, kvh, p, d = k.shape
     layout = page_layout(spec, kvh, p, d)
-    out = torch.zeros((n, layout["total"]["bytes"]), dtype=torch.uint8)
+    out = torch.zeros((n, layout["total"]["bytes"]), dtype=torch.uint8, device=k.device)
     if n == 0:
         return out
     for role, x in (("k", k), ("v", v)):
@@ -352,7 +352,8 @@ def decode_pages(data: torch.Tensor, spec: CodecSpec, shape: tuple[int, int, int
     kvh, p, d = shape
     n = data.shape[0]
     if n == 0:
-        return torch.zeros((0, kvh, p, d)), torch.zeros((0, kvh, p, d))
+        return (torch.zeros((0, kvh, p, d), device=data.device),
+                torch.zeros((0, kvh, p, d), device=data.device))
     layout = page_layout(spec, kvh, p, d)
     vals = kvh * p * d
     out = []

@@ -322,7 +322,8 @@ class WarmPool(TierPool):
     def write(self, layers: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         from tieredkv.plugins.codec import decode_pages, encode_pages
 
-        data = encode_pages(k, v, self.codec).to(self.data.device)
+        # encoded where the warm pages live (host memory; pages from a GPU device tier come down)
+        data = encode_pages(k.to(self.data.device), v.to(self.data.device), self.codec)
         self.data[layers, slots] = data
         if self.decoded is not None:
             self.decoded[0][layers, slots], self.decoded[1][layers, slots] = decode_pages(data, self.codec, self.shape)
