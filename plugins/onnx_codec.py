@@ -226,11 +226,16 @@ def _unpack(b: _Body, raw: str, bits: int, count: int) -> str:
         words = nbytes
         parts, per, base = [x], 8 // bits, 2 ** bits
     if bits != 8:
-        src = parts[0]
-        parts = [_unsqueeze(b, b.op("Mod", b.op("Div", src, b.const(base ** i, i64)), b.const(base, i64)), -1)
-                 for i in range(per)]
-        x = b.op("Reshape", b.op("Concat", *parts, axis=-1), b.const([0, words * per], i64))
+        x = b.op("Reshape", digits(b, parts[0], base, per), b.const([0, words * per], i64))
     return b.op("Slice", x, b.const([0], i64), b.const([count], i64), b.const([1], i64))
+
+
+def digits(b: _Body, src: str, base: int, per: int) -> str:
+    """Non-negative int64 values [...] -> their ``per`` little-endian base-``base`` digits
+    [..., per] (int64): digit i is src // base^i mod base."""
+    i64 = TensorProto.INT64
+    powers = b.const([base ** i for i in range(per)], i64)
+    return b.op("Mod", b.op("Div", _unsqueeze(b, src, -1), powers), b.const(base, i64))
 
 
 def _unsqueeze(b: _Body, x: str, *axes: int) -> str:

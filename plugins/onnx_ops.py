@@ -27,7 +27,7 @@ from onnx import AttributeProto, FunctionProto, ModelProto, TensorProto, helper
 from tieredkv.plugins.codec import CODECS, page_bytes
 from tieredkv.plugins.importance_score import EXACT_TOKENS
 from tieredkv.plugins.onnx_codec import (DOMAIN, OPSET, PLUGIN_NAMESPACE, PLUGIN_VERSION, _Body, _unsqueeze,
-                                         decode_pages_function, decode_pages_op_type)
+                                         decode_pages_function, decode_pages_op_type, digits)
 
 __all__ = ["DOMAIN", "PLUGIN_NAMESPACE", "PLUGIN_VERSION", "OPSET", "TIERED_ATTENTION", "IMPORTANCE_SCORE",
            "SELECT_PAGES", "KV_APPEND", "TOPK_LIMIT", "tiered_attention_function", "tiered_attention_model",
@@ -94,9 +94,8 @@ def _word_bytes(b: _Body, words: str, nbytes: int) -> str:
     """int32 words [N, nbytes / 4] -> their little-endian bytes [N, nbytes] uint8 (ONNX has no
     bitcast: each word's unsigned value, divided by 256^j, modulo 256, is byte j)."""
     unsigned = b.op("BitwiseAnd", b.op("Cast", words, to=_I64), b.const(0xFFFFFFFF, _I64))
-    shifted = b.op("Div", _unsqueeze(b, unsigned, -1), b.const([1, 1 << 8, 1 << 16, 1 << 24], _I64))
-    low = b.op("BitwiseAnd", shifted, b.const(0xFF, _I64))  # [N, nbytes / 4, 4]
-    return b.op("Reshape", b.op("Cast", low, to=TensorProto.UINT8), b.const([-1, nbytes], _I64))
+    byte = digits(b, unsigned, 256, 4)  # [N, nbytes / 4, 4]
+    return b.op("Reshape", b.op("Cast", byte, to=TensorProto.UINT8), b.const([-1, nbytes], _I64))
 
 
 def _function(name: str, inputs: list[str], outputs: list[str], b: _Body, attrs: list[str], *,

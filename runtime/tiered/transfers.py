@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tieredkv.plugins.codec import ALIGN
+
 
 @dataclass
 class TransferStats:
@@ -86,21 +88,22 @@ class StagingPool:
                 b.event = None
 
 
-def _views(buf: torch.Tensor, shapes: list[torch.Size], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Consecutive ``dtype`` views of the uint8 buffer, one per shape, each 128-byte aligned (as
-    the pools' pages)."""
-    views, offset = [], 0
+def _offsets(shapes: list[torch.Size], dtype: torch.dtype) -> tuple[list[int], int]:
+    """Byte offsets of consecutive ``dtype`` tensors of these shapes in one staging buffer, each
+    ``ALIGN``-byte aligned as the pools' pages, and the bytes they take."""
     size = torch.empty(0, dtype=dtype).element_size()
+    offsets, end = [], 0
     for shape in shapes:
-        n = shape.numel() * size
-        views.append(buf[offset: offset + n].view(dtype).view(shape))
-        offset += -(-n // 128) * 128
-    return views
+        offsets.append(end)
+        end += -(-shape.numel() * size // ALIGN) * ALIGN
+    return offsets, end
 
 
-def _packed_bytes(tensors: tuple[torch.Tensor, ...], dtype: torch.dtype) -> int:
+def _views(buf: torch.Tensor, shapes: list[torch.Size], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Consecutive ``dtype`` views of the uint8 buffer, one per shape (``_offsets``)."""
     size = torch.empty(0, dtype=dtype).element_size()
-    return sum(-(-t.numel() * size // 128) * 128 for t in tensors)
+    offsets, _ = _offsets(shapes, dtype)
+    return [buf[o: o + shape.numel() * size].view(dtype).view(shape) for o, shape in zip(offsets, shapes)]
 
 
 class Transfers:
@@ -119,14 +122,13 @@ class Transfers:
         """Host tensors (the K and V of ``pages`` pages) on the device as ``dtype``, in one copy."""
         if not tensors:
             return []
-        nbytes = _packed_bytes(tensors, dtype)
         self.stats.h2d_copies += 1
         self.stats.h2d_pages += pages
         self.stats.h2d_bytes += sum(t.numel() for t in tensors) * torch.empty(0, dtype=dtype).element_size()
         if not self.cuda:
             return [t.to(self.device, dtype) for t in tensors]
         compute = torch.cuda.current_stream(self.device)
-        buf = self.h2d_pool.take(nbytes)
+        buf = self.h2d_pool.take(_offsets([t.shape for t in tensors], dtype)[1])
         self.stats.pinned_bytes = self.h2d_pool.nbytes + self.d2h_pool.nbytes
         staged = _views(buf.data, [t.shape for t in tensors], dtype)
         for view, t in zip(staged, tensors):
@@ -158,7 +160,7 @@ class Transfers:
             return [t.cpu() for t in tensors]
         dtype = tensors[0].dtype
         compute = torch.cuda.current_stream(self.device)
-        buf = self.d2h_pool.take(_packed_bytes(tensors, dtype))
+        buf = self.d2h_pool.take(_offsets([t.shape for t in tensors], dtype)[1])
         self.stats.pinned_bytes = self.h2d_pool.nbytes + self.d2h_pool.nbytes
         views = _views(buf.data, [t.shape for t in tensors], dtype)
         self.d2h_stream.wait_stream(compute)  # the pages' last writes are queued there
