@@ -92,9 +92,18 @@ def _head_rank_of_bounds(ub: torch.Tensor, page_mask: torch.Tensor) -> torch.Ten
     return torch.where(page_mask, score, torch.zeros_like(score))
 
 
-#: how ``relevance`` combines a layer's query heads: ``share`` (every implementation) or
-#: ``head-rank`` (the PyTorch reference only, for now)
-AGGREGATES = ("share", "head-rank")
+def _kv_head_share_of_bounds(ub: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Per kv head, each page's largest estimated attention share over the head's query group,
+    from ``bound_logits`` [B, H, M], normalized so each kv head's best page is 1; [B, KVH, M],
+    0 for masked pages."""
+    b, h, m = ub.shape
+    share = torch.softmax(ub, dim=-1).nan_to_num(0.0).view(b, kv_heads, h // kv_heads, m).amax(dim=2)
+    return share / share.amax(dim=-1, keepdim=True).clamp(min=1e-30)
+
+
+#: how ``relevance`` combines a layer's query heads: ``share`` (every implementation),
+#: ``head-rank`` and ``kv-head`` (the PyTorch reference only, for now)
+AGGREGATES = ("share", "head-rank", "kv-head")
 
 
 def relevance(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_tokens: torch.Tensor,
@@ -108,12 +117,17 @@ def relevance(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_toke
     pages by its bound (``bound_logits``; ties: lower page first), and a page scores
     1 - (its best rank over the heads) / M, in (0, 1]. The top k pages by this score are the
     union of every head's top j pages for the largest j that fits, ties by page index.
+    ``aggregate = "kv-head"``: one ranking per kv head, [B, KVH, M] — the share of ``share``
+    over the head's query group only, normalized per kv head — so each kv head selects its
+    own pages (Quest's per-head selection at the granularity of the K/V a group shares).
     """
     ub = bound_logits(q, kmin, kmax, page_tokens, page_mask, scale=scale)
     if aggregate == "share":
         return _share_of_bounds(ub)
     if aggregate == "head-rank":
         return _head_rank_of_bounds(ub, page_mask)
+    if aggregate == "kv-head":
+        return _kv_head_share_of_bounds(ub, kmin.shape[2])
     raise ValueError(f"aggregate: expected one of {AGGREGATES}, got {aggregate!r}")
 
 
@@ -134,7 +148,8 @@ def importance_score(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pa
                      distance: torch.Tensor, saliency: torch.Tensor, page_mask: torch.Tensor,
                      position_table: torch.Tensor, weights: tuple[float, float, float], *,
                      scale: float | None = None, aggregate: str = "share") -> torch.Tensor:
-    """ImportanceScore: the mixed score [B, M] in [0, 1] (0 where ``page_mask`` is False).
+    """ImportanceScore: the mixed score [B, M] in [0, 1] (0 where ``page_mask`` is False);
+    [B, KVH, M], one score per kv head, with ``aggregate = "kv-head"`` and a relevance weight.
 
     q [B, H, D] — the query the step attends with (the last new token's);
     kmin, kmax [B, M, KVH, D]; page_tokens [B, M] — tokens written in the page;
@@ -147,7 +162,11 @@ def importance_score(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pa
     w_rel, w_pos, _ = weights
     page_mask = as_mask(page_mask)
     rel = relevance(q, kmin, kmax, page_tokens, page_mask, scale=scale, aggregate=aggregate) if w_rel else None
-    score = mix(weights, rel, position_value(distance, position_table) if w_pos else None, saliency.float())
+    pos = position_value(distance, position_table) if w_pos else None
+    saliency = saliency.float()
+    if rel is not None and rel.dim() == 3:  # one ranking per kv head: the page signals broadcast over the heads
+        pos, saliency, page_mask = (None if pos is None else pos.unsqueeze(1)), saliency.unsqueeze(1), page_mask.unsqueeze(1)
+    score = mix(weights, rel, pos, saliency)
     return torch.where(page_mask, score, torch.zeros_like(score))
 
 

@@ -36,7 +36,8 @@ def tiered_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     * ``k_pool``, ``v_pool`` [C, KVH, P, D] — page pool; slot o of page c holds one token.
     * ``page_table`` [B, M] int64 — pool slot of each listed page (padding: any valid slot).
     * ``page_mask`` [B, M] bool or int32 — False (0) removes the page (not selected, not
-      resident, padding).
+      resident, padding); or [B, KVH, M], a mask per kv head (the ``kv-head`` selection:
+      each kv head's query group sees its own pages; the PyTorch reference only).
     * ``page_index`` [B, M] int64 — the page's logical index in its sequence: slot o of the
       page holds the token at position ``page_index * P + o``.
     * ``seq_len`` [B] int64 — tokens in the sequence; positions ``>= seq_len`` are empty slots.
@@ -65,7 +66,8 @@ def tiered_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     if (warm_pool is None) != (warm_row is None) or (warm_pool is None) != (warm_codec is None):
         raise ValueError("warm_pool, warm_row and warm_codec go together: pass all three or none")
     if warm_pool is not None:
-        k_pages, v_pages = _with_warm_pages(k_pages, v_pages, page_mask, warm_pool, warm_row, warm_codec)
+        kept = page_mask if page_mask.dim() == 2 else page_mask.any(1)  # a page some kv head attends
+        k_pages, v_pages = _with_warm_pages(k_pages, v_pages, kept, warm_pool, warm_row, warm_codec)
     return attention_over_pages(q, k_pages, v_pages, page_mask, page_index, seq_len, past, scale=scale,
                                 with_lse=with_lse)
 
@@ -93,7 +95,9 @@ def attention_over_pages(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`tiered_attention` after the page-table gather: ``k_pages``, ``v_pages`` are
     [B, M, KVH, P, D], the listed pages in order (a caller that already holds the pages
-    gathered skips a copy). Same returns."""
+    gathered skips a copy). ``page_mask`` may also be [B, KVH, M], one mask per kv head (each kv
+    head's query group attends its own pages: the ``kv-head`` selection; the PyTorch reference
+    only). Same returns."""
     b, h, t, d = q.shape
     _, m, kvh, p, _ = k_pages.shape
     g = h // kvh
@@ -102,13 +106,18 @@ def attention_over_pages(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.
     k = k_pages.permute(0, 2, 1, 3, 4).reshape(b, kvh, m * p, d).float()
     v = v_pages.permute(0, 2, 1, 3, 4).reshape(b, kvh, m * p, d).float()
     key_pos = (page_index.unsqueeze(-1) * p + torch.arange(p, device=page_index.device)).reshape(b, m * p)
-    valid = page_mask.repeat_interleave(p, dim=1) & (key_pos < seq_len.view(b, 1))
     causal = key_pos.unsqueeze(1) <= (past.view(b, 1, 1) + torch.arange(t, device=past.device).view(1, t, 1))
-    allowed = (valid.unsqueeze(1) & causal).view(b, 1, 1, t, m * p)
+    in_seq = key_pos < seq_len.view(b, 1)
+    if page_mask.dim() == 3:  # one mask per kv head: [B, KVH, M]
+        valid = page_mask.repeat_interleave(p, dim=2) & in_seq.unsqueeze(1)  # [B, KVH, M*P]
+        allowed = (valid.unsqueeze(2) & causal.unsqueeze(1)).view(b, kvh, 1, t, m * p)
+    else:
+        valid = page_mask.repeat_interleave(p, dim=1) & in_seq
+        allowed = (valid.unsqueeze(1) & causal).view(b, 1, 1, t, m * p)
     logits = torch.einsum("bkgtd,bksd->bkgts", q.float().view(b, kvh, g, t, d), k) * scale
     logits.masked_fill_(~allowed, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    seen = allowed.any(-1)  # [B, 1, 1, T]: queries that see at least one key
+    seen = allowed.any(-1)  # [B, 1 or KVH, 1, T]: queries that see at least one key
     if not bool(seen.all()):
         probs = torch.where(seen.unsqueeze(-1), probs, torch.zeros_like(probs))  # softmax of all -inf is nan
     lse = torch.logsumexp(logits, dim=-1) if with_lse else torch.empty(0)

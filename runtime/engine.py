@@ -201,6 +201,10 @@ class _Backend(abc.ABC):
             raise ConfigError(f"selection_aggregate {cfg.selection.aggregate!r} runs in the PyTorch backend only: the "
                               f"engine's ImportanceScore nodes ({eng.path}) rank pages by their largest share over "
                               "the heads; use selection_aggregate = 'share' with an engine")
+        if cfg.selection.dense_layers:
+            raise ConfigError(f"dense_layers = {cfg.selection.dense_layers} runs in the PyTorch backend only: the "
+                              f"engine ({eng.path}) applies one attention budget to every layer; use dense_layers = 0 "
+                              "with an engine")
         if eng.tiered_kv and cfg.selection.weights != eng.selection_weights:
             raise ConfigError(f"selection_weights {cfg.selection.weights} do not match the engine's "
                               f"{eng.selection_weights} (baked into its ImportanceScore nodes); rebuild with "

@@ -85,9 +85,12 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", default=None, help="replacement policy (default lfu-importance); see docs/tiers.md")
     g.add_argument("--mode", default=None, choices=["exact", "masked"],
                    help="exact: fetch a needed non-resident page before use; masked: skip it and count the miss")
-    g.add_argument("--selection-aggregate", default=None, choices=["share", "head-rank"],
-                   help="how a decode step's page ranking combines the query heads: share (default) or head-rank "
-                        "(every head's top pages in; PyTorch backend only)")
+    g.add_argument("--selection-aggregate", default=None, choices=["share", "head-rank", "kv-head"],
+                   help="how a decode step's page ranking combines the query heads: share (default), head-rank "
+                        "(every head's top pages in) or kv-head (each kv head selects its own pages); the last two "
+                        "in the PyTorch backend only")
+    g.add_argument("--dense-layers", type=int, default=None, metavar="N",
+                   help="the first N layers attend every page (PyTorch backend only; default 0)")
     g.add_argument("--warm-codec", nargs="?", const="default", default=None, metavar="CODEC",
                    help="compress cold device pages with this KV codec (fp8, fp8-r2, int6-r2, int4, int4-g16, "
                         "int2, fp8-r2-delta; docs/codec.md) in a warm share of the device budget; bare: the "

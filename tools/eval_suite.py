@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "eval"))
 from tieredkv.errors import TieredKVError  # noqa: E402
 from tieredkv.runtime.eval import suite as S  # noqa: E402
 from tieredkv.runtime.eval.tasks import FRAMINGS, task_names  # noqa: E402
-from tieredkv.runtime.eval.texts import text_names  # noqa: E402
+from tieredkv.runtime.eval.texts import suite_text_names, text_names  # noqa: E402
 
 
 def kvpress_backend(*, teacher_forcing_chunk: int = 256):
@@ -68,7 +68,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budgets", type=float, nargs="+", default=None,
                    help="KV budgets, fractions of the cache kept (default 0.5 0.25 0.125)")
     p.add_argument("--texts", nargs="+", default=None, metavar="TEXT",
-                   help=f"registered texts ({', '.join(text_names())}; default all) or NAME=PATH")
+                   help=f"registered texts ({', '.join(text_names())}; default {', '.join(suite_text_names())}) or NAME=PATH")
     p.add_argument("--tasks", nargs="+", default=None, choices=[S.PERPLEXITY, *task_names()], metavar="TASK",
                    help=f"default all: {S.PERPLEXITY} {' '.join(task_names())}")
     p.add_argument("--contexts", type=int, nargs="+", default=None, help="context lengths (default 2048 4096 8192)")

@@ -1,21 +1,25 @@
 """Fit the importance scorer's learned parts on real SmolLM2 attention, and ablate its signals.
 
-    python tools/train_scorer.py [--segments 8] [--segment-len 2048] [--queries 48] [--horizon 16]
-                                 [--steps 300] [--out runtime/tiered/weights/smollm2-135m.safetensors]
-                                 [--report results/scorer]
+    python tools/train_scorer.py [--texts pg-essays alice paradise-lost] [--segments 4]
+                                 [--eval-texts as-you-like-it licenses world-factbook loc-workshop]
+                                 [--segment-len 2048] [--queries 48] [--horizon 16] [--steps 300]
+                                 [--out runtime/tiered/weights/smollm2-135m.safetensors] [--report results/scorer]
 
-Data: segments of the Paul Graham essays run through SmolLM2; for sampled query
-positions t (after the first quarter of a segment) and every page that competes for the
-attention budget at t (after the sink page, before the 64-token recent window), the
-*target* is the page's mean attention mass over the next ``horizon`` queries (mean over
-heads), normalized so the top page is 1. Features at t: the Quest relevance estimate for
-q_t, the distance bucket, and the page's keys (for the saliency MLP).
+Data: ``--segments`` segments of each training text (default: the registry's scorer texts —
+essays, a novel, epic verse: three genres) run through SmolLM2; for sampled query positions t
+(after the first quarter of a segment) and every page that competes for the attention budget
+at t (after the sink page, before the 64-token recent window), the *target* is the page's
+mean attention mass over the next ``horizon`` queries (mean over heads), normalized so the top
+page is 1. Features at t: the Quest relevance estimate for q_t, the distance bucket, and the
+page's keys (for the saliency MLP).
 
 Training fits, per layer, the position table and the saliency MLP so that the design
 note's mix (0.4 relevance + 0.3 position + 0.3 saliency) regresses the target (MSE).
-Segments alternate train / held-out. The report ranks pages by each signal, each pair,
-the mix and H2O's accumulated attention, and gives the share of the future attention
-mass captured by the top 25% and 12.5% of pages on held-out segments.
+Each training text's segments alternate train / test. The report ranks pages by each
+signal, each pair, the mix and H2O's accumulated attention, and gives the share of the
+future attention mass captured by the top 25% and 12.5% of pages, twice: on the test
+segments of the training texts, and on one segment of each ``--eval-texts`` text (default
+the suite's held-out texts, which the weights never see: the split of docs/eval-suite.md).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from tieredkv.models.hub import resolve_model
 from tieredkv.models.llama import prefill
 from tieredkv.models.loading import load_checkpoint
 from tieredkv.plugins.importance_score import distance_bucket, relevance
-from tieredkv.runtime.eval.data import pg_essays_text
+from tieredkv.runtime.eval.texts import get_source, scorer_texts, suite_text, text_names
 from tieredkv.runtime.tiered.scorer import ImportanceScorer
 
 PAGE = 16
@@ -174,9 +178,20 @@ def ablation(scorer: ImportanceScorer, untrained: ImportanceScorer, examples: li
     return rows
 
 
+def _ablation_lines(title: str, rows: list[dict]) -> list[str]:
+    lines = [title, "", "| ranking | now, top 25% | now, top 12.5% | future, top 25% | future, top 12.5% |",
+             "|---|---:|---:|---:|---:|"]
+    return lines + [f"| {r['ranking']} | {r['now@0.25']:.3f} | {r['now@0.125']:.3f} | {r['future@0.25']:.3f} | "
+                    f"{r['future@0.125']:.3f} |" for r in rows]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--segments", type=int, default=8)
+    ap.add_argument("--texts", nargs="+", default=scorer_texts(), choices=text_names(), metavar="TEXT",
+                    help="training texts (default: %(default)s)")
+    ap.add_argument("--eval-texts", nargs="+", default=None, choices=text_names(), metavar="TEXT",
+                    help="texts the weights are judged on and never trained on (default: the held-out texts)")
+    ap.add_argument("--segments", type=int, default=4, help="segments per training text (alternately train/test)")
     ap.add_argument("--segment-len", type=int, default=2048)
     ap.add_argument("--queries", type=int, default=48)
     ap.add_argument("--horizon", type=int, default=16)
@@ -186,19 +201,29 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "runtime/tiered/weights/smollm2-135m.safetensors"))
     ap.add_argument("--report", default="results/scorer")
     args = ap.parse_args()
+    eval_texts = args.eval_texts or [n for n in text_names() if get_source(n).scorer == "held-out"]
+    if set(eval_texts) & set(args.texts):
+        ap.error(f"--eval-texts {sorted(set(eval_texts) & set(args.texts))} are also training texts: the weights "
+                 "must be judged on texts they never saw")
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     loaded = load_checkpoint(resolve_model(None, log=lambda m: print(m, file=sys.stderr)))
     model = loaded.model
-    ids = loaded.tokenizer.encode(pg_essays_text(), add_bos=False)
-    stride = len(ids) // args.segments
-    train_ex, test_ex = [], []
+
+    def segments(name: str, n: int) -> list[list[int]]:
+        ids = loaded.tokenizer.encode(suite_text(name, log=lambda m: print(m, file=sys.stderr)), add_bos=False)
+        stride = max(1, (len(ids) - args.segment_len) // max(1, n - 1)) if n > 1 else 0
+        start = 0 if n > 1 else (len(ids) - args.segment_len) // 2  # one segment: the middle of the text
+        return [ids[start + i * stride : start + i * stride + args.segment_len] for i in range(n)]
+
+    train_ex, test_ex, eval_ex = [], [], []
     t_start = time.perf_counter()
     with torch.no_grad():
-        for i in tqdm(range(args.segments), desc="tracing segments"):
-            seg = ids[i * stride : i * stride + args.segment_len]
-            ex = segment_examples(model, seg, queries=args.queries, horizon=args.horizon, gen=gen)
-            (train_ex if i % 2 == 0 else test_ex).extend(ex)
+        work = [(name, i, seg, (train_ex if i % 2 == 0 else test_ex))
+                for name in args.texts for i, seg in enumerate(segments(name, args.segments))]
+        work += [(name, 0, seg, eval_ex) for name in eval_texts for seg in segments(name, 1)]
+        for name, i, seg, into in tqdm(work, desc="tracing segments"):
+            into.extend(segment_examples(model, seg, queries=args.queries, horizon=args.horizon, gen=gen))
     trace_s = time.perf_counter() - t_start
     cfg = model.config
     scorer = ImportanceScorer(cfg.num_layers, cfg.head_dim)
@@ -207,24 +232,26 @@ def main() -> int:
     losses = train(scorer, train_ex, args.steps, args.lr)
     train_s = time.perf_counter() - t1
     rows = ablation(scorer, untrained, test_ex)
-    meta = {"model": cfg.name, "segments": args.segments, "segment_len": args.segment_len,
-            "queries": args.queries, "horizon": args.horizon, "steps": args.steps, "lr": args.lr,
-            "train_examples": sum(len(g["items"]) for g in train_ex),
-            "test_examples": sum(len(g["items"]) for g in test_ex), "final_loss": losses[-1],
+    eval_rows = ablation(scorer, untrained, eval_ex)
+    meta = {"model": cfg.name, "texts": list(args.texts), "eval_texts": eval_texts, "segments": args.segments,
+            "segment_len": args.segment_len, "queries": args.queries, "horizon": args.horizon, "steps": args.steps,
+            "lr": args.lr, "train_examples": sum(len(g["items"]) for g in train_ex),
+            "test_examples": sum(len(g["items"]) for g in test_ex),
+            "eval_examples": sum(len(g["items"]) for g in eval_ex), "final_loss": losses[-1],
             "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python"] + sys.argv)}
     scorer.save(args.out, meta)
     report = Path(args.report)
     report.mkdir(parents=True, exist_ok=True)
-    (report / "ablation.json").write_text(json.dumps({"meta": meta, "rows": rows, "losses": losses[::10],
-                                                      "trace_seconds": trace_s, "train_seconds": train_s}, indent=2))
-    lines = [f"Held-out: {meta['test_examples']} (layer, query) examples from {args.segments // 2} segments of "
-             f"{args.segment_len} tokens (pages before the query's own page). Share of the attention mass captured "
-             f"by the top-ranked 25% / 12.5% of pages: *now* = the query's own attention (what selection needs), "
-             f"*future* = the next {args.horizon} queries' (what replacement needs). `{meta['command']}`", "",
-             "| ranking | now, top 25% | now, top 12.5% | future, top 25% | future, top 12.5% |",
-             "|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['ranking']} | {r['now@0.25']:.3f} | {r['now@0.125']:.3f} | {r['future@0.25']:.3f} | "
-              f"{r['future@0.125']:.3f} |" for r in rows]
+    (report / "ablation.json").write_text(json.dumps({"meta": meta, "rows": rows, "held_out_rows": eval_rows,
+                                                      "losses": losses[::10], "trace_seconds": trace_s,
+                                                      "train_seconds": train_s}, indent=2))
+    what = (f"(layer, query) examples; pages before the query's own page. Share of the attention mass captured by "
+            f"the top-ranked 25% / 12.5% of pages: *now* = the query's own attention (what selection needs), "
+            f"*future* = the next {args.horizon} queries' (what replacement needs). `{meta['command']}`")
+    lines = _ablation_lines(f"Test segments of the training texts ({', '.join(args.texts)}): {meta['test_examples']} "
+                            + what, rows)
+    lines += [""] + _ablation_lines(f"Held-out texts ({', '.join(eval_texts)}; never trained on): "
+                                    f"{meta['eval_examples']} " + what, eval_rows)
     (report / "ablation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"weights -> {args.out} (loss {losses[0]:.4f} -> {losses[-1]:.4f}; tracing {trace_s:.0f}s, "

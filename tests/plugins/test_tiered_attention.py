@@ -11,7 +11,7 @@ from op_impls import IMPLEMENTATIONS, TOLERANCE, assert_close, assert_close_lse,
 
 from tieredkv.plugins.codec import CODECS, as_words
 from tieredkv.plugins.inputs import tiered_attention_inputs, warm_inputs
-from tieredkv.plugins.tiered_attention import merge_attention, tiered_attention
+from tieredkv.plugins.tiered_attention import attention_over_pages, merge_attention, tiered_attention
 
 CASES = [
     dict(B=1, H=6, KVH=3, T=1, D=64, P=16, M=1),
@@ -269,3 +269,50 @@ def test_onnx_reference_evaluator_agrees():
     out, _, page_probs = tiered_attention(**inputs, scale=12 ** -0.5)
     assert_close(got["out"], out, 1e-5)
     assert_close(got["page_probs"], page_probs, 1e-5)
+
+
+@pytest.mark.parametrize("h,kvh,t", [(6, 3, 1), (9, 3, 2), (4, 1, 1), (8, 8, 3)])
+def test_a_mask_per_kv_head_equals_each_group_alone(h, kvh, t):
+    """page_mask [B, KVH, M] (the kv-head selection): each kv head's query group gets exactly
+    what a call over that kv head alone with its own [B, M] mask gives (out, lse, page masses)."""
+    gen = torch.Generator().manual_seed(h * 10 + kvh + t)
+    b, d, p, m, pool = 2, 12, 5, 9, 13
+    k_pool, v_pool = torch.randn(pool, kvh, p, d, generator=gen), torch.randn(pool, kvh, p, d, generator=gen)
+    table = torch.stack([torch.randperm(pool, generator=gen)[:m] for _ in range(b)])
+    index = torch.arange(m).expand(b, -1)
+    seq_len, past = torch.tensor([m * p - 3, m * p - 1]), torch.tensor([m * p - 3 - t, m * p - 1 - t])
+    mask = torch.rand(b, kvh, m, generator=gen) > 0.4
+    mask[1, 0] = False  # one kv head of one sequence sees nothing
+    q = torch.randn(b, h, t, d, generator=gen)
+    out, lse, probs = tiered_attention(q, k_pool, v_pool, table, mask, index, seq_len, past)
+    g = h // kvh
+    for j in range(kvh):
+        heads = slice(j * g, (j + 1) * g)
+        o, l, pp = tiered_attention(q[:, heads], k_pool[:, j : j + 1], v_pool[:, j : j + 1], table,
+                                    mask[:, j].to(torch.int32), index, seq_len, past)
+        assert torch.allclose(out[:, heads], o, atol=1e-6) and torch.equal(lse[:, heads], l)
+        assert torch.allclose(probs[:, heads], pp, atol=1e-6)
+    assert (out[1, :g] == 0).all() and torch.isneginf(lse[1, :g]).all()
+    every = tiered_attention(q, k_pool, v_pool, table, torch.ones(b, kvh, m, dtype=torch.bool), index, seq_len, past)
+    plain = tiered_attention(q, k_pool, v_pool, table, torch.ones(b, m, dtype=torch.bool), index, seq_len, past)
+    assert all(torch.equal(x, y) for x, y in zip(every, plain))
+
+
+def test_a_mask_per_kv_head_decodes_the_warm_pages_any_head_keeps():
+    """With warm pages, a per-kv-head mask decodes every page some kv head keeps: the same as
+    the pools holding those pages decoded."""
+    from tieredkv.plugins.codec import CODECS, decode_pages
+
+    gen = torch.Generator().manual_seed(5)
+    inputs = warm_inputs(gen, make(CASES[3], seed=5), "int4")
+    b, m = inputs["page_table"].shape
+    kvh = inputs["k_pool"].shape[1]
+    mask = (torch.rand(b, kvh, m, generator=gen) > 0.5) & inputs["page_mask"].bool().unsqueeze(1)
+    out = tiered_attention(**{**inputs, "page_mask": mask})
+    k_pages, v_pages = inputs["k_pool"][inputs["page_table"]], inputs["v_pool"][inputs["page_table"]]
+    warm = inputs["warm_row"] >= 0
+    k_dec, v_dec = decode_pages(inputs["warm_pool"][inputs["warm_row"][warm]], CODECS["int4"], tuple(k_pages.shape[2:]))
+    k_pages[warm], v_pages[warm] = k_dec, v_dec
+    ref = attention_over_pages(inputs["q"], k_pages, v_pages, mask, inputs["page_index"], inputs["seq_len"],
+                               inputs["past"])
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(out, ref))

@@ -171,6 +171,10 @@ def test_mismatched_cache_configs_are_refused(backend):
         run(backend, TieredKVConfig(page_size=PAGE, selection_weights=(0.5, 0.5, 0.0)), ids)
     with pytest.raises(ConfigError, match="selection_aggregate 'head-rank' runs in the PyTorch backend only"):
         run(backend, TieredKVConfig(page_size=PAGE, selection_aggregate="head-rank"), ids)
+    with pytest.raises(ConfigError, match="selection_aggregate 'kv-head' runs in the PyTorch backend only"):
+        run(backend, TieredKVConfig(page_size=PAGE, selection_aggregate="kv-head"), ids)
+    with pytest.raises(ConfigError, match="dense_layers = 2 runs in the PyTorch backend only"):
+        run(backend, TieredKVConfig(page_size=PAGE, dense_layers=2), ids)
     with pytest.raises(ConfigError, match="tiered KV cache"):
         LLM.from_model(backend, None, prefill_chunk=16).generate(ids, SamplingParams(max_new_tokens=2))
 

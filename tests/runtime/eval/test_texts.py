@@ -62,7 +62,9 @@ def leftovers(cache: Path) -> list[str]:
 
 def test_registry_is_complete():
     assert len(X.TEXTS) >= 4 and len({s.genre.split()[0] for s in X.TEXTS.values()}) >= 4
-    assert [n for n, s in X.TEXTS.items() if s.scorer == "seen"] == ["pg-essays"]
+    assert X.scorer_texts() == ["pg-essays", "alice", "paradise-lost"]  # the scorer trained on three genres
+    assert not {X.TEXTS[n].genre for n in X.scorer_texts()} & {s.genre for s in X.TEXTS.values() if s.scorer != "seen"}
+    assert X.suite_text_names() == [n for n in X.text_names() if n not in ("alice", "paradise-lost")]
     for name, s in X.TEXTS.items():
         assert s.name == name and re.fullmatch(r"[0-9a-f]{64}", s.sha256)
         assert s.kind in ("wheel", "sdist") and re.fullmatch(r"[\w.-]+==[\w.]+", s.requirement)

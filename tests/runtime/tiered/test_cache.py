@@ -443,3 +443,67 @@ def test_exact_mode_logits_do_not_depend_on_a_co_running_sequence(device_tokens)
     assert (together - alone).abs().max().item() <= 1e-5
     if device_tokens is not None:
         assert m.streamed_pages > 0 and m.evicted_pages > 0  # the budget binds
+
+
+def test_kv_head_selection(ref_tokens):
+    """selection_aggregate = "kv-head": unlimited budgets equal the paged cache; under an
+    attention budget every kv head attends at most the budget (T0 included), the pages fetched
+    are the union of the heads' selections, and the cache keeps its invariants."""
+    cache = TieredKVCache(MODEL.kv_spec(), TieredKVConfig(selection_aggregate="kv-head", **SMALL))
+    assert [c.token_ids for c in run(cache)] == ref_tokens
+    cfg = TieredKVConfig(device_budget="30%", attention_budget="20%", selection_aggregate="kv-head", **SMALL)
+    cache = TieredKVCache(MODEL.kv_spec(), cfg, full_tokens=200)
+    seen = []
+    inner = cache._attend_pages
+
+    def spy(layer, q, seq, attended, *, heads=None):
+        if heads is not None:  # decode steps (prefill attends every page with every head)
+            seen.append((attended.clone(), heads.clone(), seq.t0.clone()))
+        return inner(layer, q, seq, attended, heads=heads)
+
+    cache._attend_pages = spy
+    tokens = torch.randint(0, 512, (180,), generator=torch.Generator().manual_seed(4))
+    sid = cache.add_sequence()
+    prefill(MODEL, cache, sid, tokens[:150], chunk_size=64)
+    assert not seen
+    for i in range(150, 160):
+        prefill(MODEL, cache, sid, tokens[i : i + 1], start_pos=i, chunk_size=1)
+    cache.mgr.check_invariants()
+    budget = cache.budgets.attention_pages
+    assert len(seen) == 10 * L
+    wider = 0
+    for attended, heads, t0 in seen:
+        assert heads.shape == (MODEL.config.num_kv_heads, len(attended))
+        assert torch.equal(heads.any(0), attended) and (heads[:, t0] | ~attended[t0]).all()
+        assert (heads.sum(1) <= max(budget, int(t0.sum()))).all()
+        wider += int(attended.sum()) > budget
+    assert wider  # the heads disagree: the union is larger than one head's budget
+
+
+def test_dense_layers_attend_every_page():
+    """dense_layers = n: layers below n attend every page, the others select within the budget;
+    dense_layers = L gives the logits of an unlimited attention budget."""
+    tokens = torch.randint(0, 512, (180,), generator=torch.Generator().manual_seed(4))
+
+    def decode(**kw):
+        cache = TieredKVCache(MODEL.kv_spec(), TieredKVConfig(device_budget="30%", **SMALL, **kw), full_tokens=200)
+        sid = cache.add_sequence()
+        prefill(MODEL, cache, sid, tokens[:150], chunk_size=64)
+        needed = []
+        inner = cache.record
+
+        def spy(layer, seq, **k):
+            if k["decode"]:
+                needed.append((layer, int(k["attended"].sum()), len(seq.recs)))
+            return inner(layer, seq, **k)
+
+        cache.record = spy
+        out = prefill(MODEL, cache, sid, tokens[150:160], start_pos=150, chunk_size=1, all_logits=True)
+        cache.mgr.check_invariants()
+        return out, needed
+
+    every, _ = decode(attention_budget="100%")
+    dense, _ = decode(attention_budget="20%", dense_layers=L)
+    assert torch.equal(dense, every)
+    _, needed = decode(attention_budget="20%", dense_layers=1)
+    assert all((n == m) == (layer == 0) for layer, n, m in needed)
