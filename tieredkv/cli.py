@@ -93,15 +93,15 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
                    help="the first N layers attend every page (PyTorch backend only; default 0)")
     g.add_argument("--warm-codec", nargs="?", const="default", default=None, metavar="CODEC",
                    help="compress cold device pages with this KV codec (fp8, fp8-r2, int6-r2, int4, int4-g16, "
-                        "int2, fp8-r2-delta; docs/codec.md) in a warm share of the device budget; bare: the "
-                        "measured default, int4")
+                        "int2, fp8-r2-delta; docs/codec.md) in a warm share of the device budget; default (and "
+                        "bare): int4, the measured choice; off: no warm tier")
     g.add_argument("--warm-fraction", type=float, default=None,
                    help="share of the device budget beyond T0 that holds compressed pages (default 0.75)")
     g.add_argument("--kv-dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="dtype the tiered cache stores pages in (default: the model's)")
-    g.add_argument("--prefetch", default=None, metavar="PREDICTOR",
+    g.add_argument("--prefetch", nargs="?", const="default", default=None, metavar="PREDICTOR",
                    help="prefetch predicted pages after every decode step: last, vote, recency, quest-next-layer, "
-                        "gru (docs/prefetch.md)")
+                        "gru (docs/prefetch.md); bare: last, the measured winner; default off")
     g.add_argument("--prefetch-distance", default=None, type=lambda v: v if v == "auto" else int(v),
                    help="decode steps ahead to predict: 'auto' (2-5, default) or a number")
     g.add_argument("--access-log", default=None, metavar="DIR",

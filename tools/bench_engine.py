@@ -83,7 +83,7 @@ def main() -> int:
         prompt = [ids[5000 : 5000 + plen]]
         for budget in args.budgets:
             warm = (dict(kv_dtype="float16", warm_codec=args.warm_codec, warm_fraction=args.warm_fraction)
-                    if args.warm_codec else {})
+                    if args.warm_codec else {"warm_codec": "off"})
             kv = TieredKVConfig() if budget == "full" else TieredKVConfig(device_budget=budget, mode="exact", **warm)
             tokens = {}
             for name, model in backends.items():

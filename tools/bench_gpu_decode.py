@@ -108,8 +108,8 @@ def caches(model: Llama, budget: str, context: int) -> dict:
     return {
         "full": (lambda: PagedKVCache(spec), True),
         # residency limited, every page attended (misses fetched): exact, the full cache's tokens
-        f"tiered-{budget}-attend-all": (tiered(attention_budget="100%"), True),
-        f"tiered-{budget}": (tiered(), False),  # the default: attend what fits on the device
+        f"tiered-{budget}-attend-all": (tiered(attention_budget="100%", warm_codec="off"), True),
+        f"tiered-{budget}": (tiered(), False),  # the default: attend what fits on the device (warm int4)
         f"tiered-{budget}-masked": (tiered(mode="masked"), False),
     }
 

@@ -103,7 +103,7 @@ def cmd_record(args: argparse.Namespace) -> int:
                     if (out / name).exists():
                         _log(f"{name}: exists, skipped")
                         continue
-                    cfg = TieredKVConfig(attention_budget=f"{100 * ab:g}%", mode="exact")
+                    cfg = TieredKVConfig(attention_budget=f"{100 * ab:g}%", mode="exact", warm_codec="off")
                     meta = {"kind": args.kind, "text": text, "context": context, "attention_budget": ab, "window": w,
                             "model": str(loaded.path) if hasattr(loaded, "path") else "default",
                             "weight_bytes_fp16": weight_bytes, "token_bytes_per_layer_fp16":
@@ -175,7 +175,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         full_tokens = meta["context"]
         for device, ratio in _configs(float(meta["attention_budget"])):
             cfg = TieredKVConfig(device_budget=f"{100 * device:g}%", attention_budget=f"{100 * device * ratio:g}%",
-                                 mode="exact")
+                                 mode="exact", warm_codec="off")
             base = None
             for pred in args.predictors:
                 t_start = time.perf_counter()

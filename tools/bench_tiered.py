@@ -65,7 +65,7 @@ def cmd_hitrate(args: argparse.Namespace) -> int:
     for budget, ratio in combos:
         attention = None if ratio >= 1 else f"{100 * budget * ratio:g}%"
         cfg = TieredKVConfig(device_budget=f"{100 * budget:g}%", attention_budget=attention, mode="exact",
-                             policy="lfu-importance")
+                             policy="lfu-importance", warm_codec="off")
         for w in range(args.windows):
             window = ids[w * W : (w + 1) * W]
             rec = TraceRecorder()
@@ -130,7 +130,7 @@ def cmd_overhead(args: argparse.Namespace) -> int:
     P = 16
     n_pages = args.context // P
     L, KVH, D, H = c.num_layers, c.num_kv_heads, c.head_dim, c.num_heads
-    cfg = TieredKVConfig(device_budget=f"{100 * args.budget:g}%", policy=args.policy, mode="exact")
+    cfg = TieredKVConfig(device_budget=f"{100 * args.budget:g}%", policy=args.policy, mode="exact", warm_codec="off")
     budgets = resolve_budgets(cfg, num_layers=L, token_bytes_per_layer=2 * KVH * D * 2, full_tokens=args.context)
     A = budgets.attention_pages
 

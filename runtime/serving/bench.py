@@ -93,7 +93,7 @@ def make_engine(arm: str, model, tokenizer, cfg: BenchConfig, *, disk_dir: str |
 
         mode = arm.split("-")[1]
         kv = TieredKVConfig(page_size=cfg.page_size, device_budget=f"{cfg.budget_tokens * token_bytes}B",
-                            attention_budget=10 ** 7 if mode == "exact" else None, mode=mode,
+                            attention_budget=10 ** 7 if mode == "exact" else None, mode=mode, warm_codec="off",
                             sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens,
                             disk_path=None if disk_dir is None else str(Path(disk_dir) / f"{arm}-t4.bin"))
         cache = TieredKVCache(spec, kv)

@@ -104,7 +104,7 @@ class TierManager:
             from tieredkv.plugins.codec import CODECS
 
             self.warm = WarmPool(num_layers, CODECS[config.warm.codec], (kv_heads, self.P, head_dim),
-                                 budgets.warm_pages, keep_decoded=keep_decoded_warm)
+                                 budgets.warm_pages, keep_decoded=keep_decoded_warm, device=self.device.device)
         self.staging_pages = 0 if unlimited else budgets.staging_pages
         self.transfers = Transfers(device)  # batched host <-> device copies (copy streams on CUDA)
         self.page_bytes = self.device.page_bytes if page_bytes is None else page_bytes
@@ -440,8 +440,10 @@ class TierManager:
         full, warm = dslot >= 0, (dslot < 0) & (wslot >= 0) & (not exact)
         on_host = ~full & ~warm & (hslot >= 0)
         on_disk = ~full & ~warm & ~on_host
-        for where, read, slots in ((full, self.device.read, dslot), (warm, self.warm and self.warm.read, wslot),
-                                   (on_host, self.host.read, hslot), (on_disk, self.disk and self.disk.read, None)):
+        for where, read, slots, copy in ((full, self.device.read, dslot, False),
+                                         (warm, self.warm and self.warm.read, wslot, False),  # decoded on the device
+                                         (on_host, self.host.read, hslot, True),
+                                         (on_disk, self.disk and self.disk.read, None, True)):
             idx = where.nonzero().flatten()
             if not len(idx):
                 continue
@@ -450,7 +452,7 @@ class TierManager:
                 if bool((slots[idx] < 0).any()):
                     raise RuntimeError("internal: a page has no copy in any tier")  # the invariant tests guard this
             ks, vs = read(layers[idx], slots[idx])
-            if slots is not dslot:  # off the device: one batched copy per tier
+            if copy:  # off the device: one batched copy per tier
                 ks, vs = self.transfers.to_device(ks, vs, dtype=dtype, pages=len(idx))
             idx = idx.to(dev)
             k.index_copy_(0, idx, ks.to(dtype))

@@ -277,18 +277,22 @@ class WarmPool(TierPool):
     ``keep_decoded`` (a CPU evaluation aid, off by default): keep each warm page's decoded
     float32 copy beside its bytes, so attention decodes a page once instead of every step.
     Numerics are identical (decoding is deterministic); budgets and accounting count only the
-    encoded bytes. A GPU kernel decodes on the fly instead."""
+    encoded bytes. A GPU kernel decodes on the fly instead.
+
+    ``device``: where the encoded pages live — the device tier's device (on a GPU the warm
+    pages are device memory, encoded and decoded there by the codec's torch reference; the
+    owner table stays on the host)."""
 
     STORES = ("data",)
 
     def __init__(self, num_layers: int, codec, shape: tuple[int, int, int], capacity: int, *,
-                 keep_decoded: bool = False, initial: int = 16) -> None:
+                 keep_decoded: bool = False, initial: int = 16, device: torch.device | str = "cpu") -> None:
         from tieredkv.plugins.codec import page_bytes
 
         self.name, self.num_layers = "warm", num_layers
         self.codec, self.shape = codec, shape
         self.page_shape = (page_bytes(codec, *shape),)
-        self.dtype, self.pin, self.device = torch.uint8, False, torch.device("cpu")
+        self.dtype, self.pin, self.device = torch.uint8, False, torch.device(device)
         self.max_capacity = capacity
         cap = min(capacity, initial)
         self.data = self._new(cap)
@@ -297,7 +301,7 @@ class WarmPool(TierPool):
         self.decoded = (self._decoded(cap), self._decoded(cap)) if keep_decoded else None
 
     def _decoded(self, cap: int) -> torch.Tensor:
-        return torch.zeros(self.num_layers, cap, *self.shape)
+        return torch.zeros(self.num_layers, cap, *self.shape, device=self.device)
 
     @property
     def page_bytes(self) -> int:
@@ -322,8 +326,7 @@ class WarmPool(TierPool):
     def write(self, layers: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         from tieredkv.plugins.codec import decode_pages, encode_pages
 
-        # encoded where the warm pages live (host memory; pages from a GPU device tier come down)
-        data = encode_pages(k.to(self.data.device), v.to(self.data.device), self.codec)
+        data = encode_pages(k.to(self.device), v.to(self.device), self.codec)  # encoded where the warm pages live
         self.data[layers, slots] = data
         if self.decoded is not None:
             self.decoded[0][layers, slots], self.decoded[1][layers, slots] = decode_pages(data, self.codec, self.shape)

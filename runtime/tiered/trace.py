@@ -8,6 +8,8 @@ device hit rate, and Belady's MIN oracle (which needs the future) its upper boun
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,9 +182,11 @@ def replay(trace: AccessTrace, config: TieredKVConfig, *, token_bytes_per_layer:
     ``prefetch.PREDICTORS``, ``"oracle"`` included, or a Predictor): prefetch as the live
     cache would, ``prefetch_distance`` steps ahead, at most ``prefetch_max_pages`` per layer
     (default: the attention budget's pages beyond T0); a ``"layer"``-lead predictor reads the
-    log's ``spec`` before each decode step's selection."""
+    log's ``spec`` before each decode step's selection. The warm sub-tier is not simulated (a
+    trace carries no K/V to encode): the replay runs ``config`` with ``warm_codec = "off"``."""
     from tieredkv.runtime.tiered.prefetch import Predictor, Prefetcher, make_predictor
 
+    config = dataclasses.replace(config, warm=dataclasses.replace(config.warm, codec=None))
     if config.page_size != trace.page_size:
         raise ValueError(f"trace has page size {trace.page_size}, config {config.page_size}")
     budgets = resolve_budgets(config, num_layers=trace.num_layers, token_bytes_per_layer=token_bytes_per_layer,

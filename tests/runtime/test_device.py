@@ -22,7 +22,7 @@ from tieredkv.runtime.sampling import SamplingParams, sample_token
 from tieredkv.runtime.tiered.cache import TieredKVCache
 from tieredkv.runtime.tiered.config import TieredKVConfig
 
-SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2)
+SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2, warm_codec="off")  # warm-less unless a test says
 PROMPTS = [list(range(5, 205)), list(range(300, 333))]
 WORK = dict(full_tokens=212, num_sequences=2)  # the longest prompt + 12 new tokens, two sequences
 TIERED = {
@@ -75,7 +75,7 @@ def _runs(model, device: str, make_cache):
 @pytest.mark.parametrize("name", sorted(TIERED))
 def test_tiered_cache_on_cuda_equals_cpu(name):
     model = tiny_model(seed=3)
-    cfg = TieredKVConfig(**SMALL, **TIERED[name])
+    cfg = TieredKVConfig(**{**SMALL, **TIERED[name]})
     cpu_tokens, cpu_cache = _runs(model, "cpu", lambda m: TieredKVCache(m.kv_spec(), cfg, **WORK))
     gpu_tokens, gpu_cache = _runs(model, "cuda", lambda m: TieredKVCache(m.kv_spec(), cfg, **WORK))
     assert gpu_cache.mgr.device.k.device.type == "cuda" and gpu_cache.mgr.host.k.device.type == "cpu"

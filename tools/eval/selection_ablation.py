@@ -77,8 +77,10 @@ def main() -> int:
     t_start = time.perf_counter()
     full = perplexity(CacheMethod(model, lambda total: PagedKVCache(spec)), ids, **kw)
     rows.append({"selection": "full cache", "perplexity": full.perplexity, "seconds": time.perf_counter() - t_start})
-    methods = {name: (TieredKVCache, TieredKVConfig(device_budget=args.budget, **cfg)) for name, cfg in VARIANTS.items()}
-    methods["oracle (true attention, max over heads)"] = (OracleSelectionCache, TieredKVConfig(device_budget=args.budget))
+    methods = {name: (TieredKVCache, TieredKVConfig(device_budget=args.budget, warm_codec="off", **cfg))
+               for name, cfg in VARIANTS.items()}
+    methods["oracle (true attention, max over heads)"] = (OracleSelectionCache,
+                                                          TieredKVConfig(device_budget=args.budget, warm_codec="off"))
     for name, (cls, cfg) in methods.items():
         t_start = time.perf_counter()
         m = CacheMethod(model, lambda total, cls=cls, cfg=cfg: cls(spec, cfg, full_tokens=total), name=name,

@@ -31,7 +31,7 @@ WARM_ROWS = (("int4", 0.75), ("fp8-r2", 0.75), ("int6-r2", 0.75), ("int4-g16", 0
 
 def _row(name: str, **cfg) -> Row:
     def factory(model, budget: float):
-        config = TieredKVConfig(device_budget=f"{100 * budget:g}%", **cfg)
+        config = TieredKVConfig(device_budget=f"{100 * budget:g}%", **{"warm_codec": "off", **cfg})  # rows name their warm tier
         # keep_decoded_warm: the CPU evaluation aid, each warm page decoded once; identical numerics
         return tiered_method(model, config, name=name, keep_decoded_warm=True)
 

@@ -24,7 +24,7 @@ MODEL = tiny_model(seed=3)
 SPEC = MODEL.kv_spec()
 PAGE = 8
 TOKEN_BYTES = SPEC.token_bytes_per_layer * SPEC.num_layers
-SMALL = dict(page_size=PAGE, sink_tokens=4, recent_tokens=16, staging_pages=2)
+SMALL = dict(page_size=PAGE, sink_tokens=4, recent_tokens=16, staging_pages=2, warm_codec="off")  # warm-less unless a test says
 
 
 def prompts(n: int, seed: int, lo: int = 5, hi: int = 120) -> list[list[int]]:

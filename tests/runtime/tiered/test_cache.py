@@ -18,7 +18,7 @@ from tieredkv.runtime.tiered.config import TieredKVConfig
 from tieredkv.runtime.tiered.policies import POLICIES
 
 LIVE_POLICIES = sorted(n for n, p in POLICIES.items() if not p.needs_trace)
-SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2)
+SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2, warm_codec="off")  # warm-less unless a test says
 MODEL = tiny_model(seed=3)
 PROMPTS = [list(range(5, 205)), list(range(300, 333))]
 L = MODEL.config.num_layers
@@ -252,8 +252,8 @@ def test_property_invariants(ops, policy, mode, budget, attention, warm, host, p
 
     disk = tempfile.mkdtemp() + "/t4.bin" if host else None
     cfg = TieredKVConfig(policy=policy, mode=mode, device_budget=budget, attention_budget=attention,
-                         warm_codec=warm, host_budget=host and host * SMALL["page_size"], disk_path=disk,
-                         prefetch_predictor=prefetch, **SMALL)
+                         host_budget=host and host * SMALL["page_size"], disk_path=disk,
+                         prefetch_predictor=prefetch, **{**SMALL, "warm_codec": warm})
     try:
         cache = TieredKVCache(MODEL.kv_spec(), cfg, num_sequences=3)
     except ConfigError:
@@ -395,8 +395,8 @@ def test_offline_policies_are_refused_by_a_live_cache():
 def test_tier_figures_survive_freeing_the_sequences():
     """Pages per tier, bytes per tier and bytes saved are the figures at the end of the last
     step, not zeros after generation freed the sequences."""
-    cache = TieredKVCache(MODEL.kv_spec(), TieredKVConfig(device_budget=96, warm_codec="int4", warm_fraction=0.5,
-                                                          **SMALL), num_sequences=2)
+    cache = TieredKVCache(MODEL.kv_spec(), TieredKVConfig(device_budget=96, warm_fraction=0.5,
+                                                          **{**SMALL, "warm_codec": "int4"}), num_sequences=2)
     run(cache)
     m = cache.metrics
     assert not cache.mgr.table.alive.any()

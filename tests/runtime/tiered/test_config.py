@@ -15,7 +15,7 @@ from tieredkv.runtime.tiered.config import (
     resolve_budgets,
 )
 
-SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2)
+SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2, warm_codec="off")  # warm-less unless a test says
 
 
 @pytest.mark.parametrize("text,kind,value", [("25%", "percent", 0.25), ("64MiB", "bytes", 64 * 2**20),
@@ -94,6 +94,12 @@ def test_config_files(tmp_path):
         (8, "25%", "int4", 0.5, "masked")
     toml.write_text('warm_codec = "default"\n')
     assert TieredKVConfig.from_file(toml).warm.codec == "int4"  # codec.DEFAULT_CODEC
+    toml.write_text('warm_codec = "off"\n')
+    assert TieredKVConfig.from_file(toml).warm.codec is None
+    assert TieredKVConfig().warm.codec == "int4"  # the default since the suite chose it (docs/benchmarks.md §7)
+    assert TieredKVConfig(warm_codec="none") == TieredKVConfig(warm_codec=None) == TieredKVConfig(warm_codec="off")
+    assert TieredKVConfig(prefetch_predictor="default").prefetch.predictor == "last"  # the measured winner
+    assert TieredKVConfig().prefetch.predictor is None and TieredKVConfig(prefetch_predictor="off").prefetch.predictor is None
     yml = tmp_path / "kv.yaml"
     yml.write_text("mode: masked\nattention_budget: 1024\nmigration:\n  window_steps: 8\n")
     cfg = TieredKVConfig.from_file(yml)
@@ -124,7 +130,7 @@ def test_non_finite_and_oversized_values_are_refused_up_front():
         with pytest.raises(ConfigError, match=match):
             TieredKVConfig(**bad)
     with pytest.raises(ConfigError, match="GiB of memory: expected a budget that fits"):
-        resolve_budgets(TieredKVConfig(device_budget="1TB"), num_layers=30, token_bytes_per_layer=1536,
+        resolve_budgets(TieredKVConfig(device_budget="1TB", warm_codec="off"), num_layers=30, token_bytes_per_layer=1536,
                         full_tokens=100)
 
 
@@ -162,6 +168,6 @@ def test_any_mapping_is_a_config_or_a_config_error(mapping):
 def test_attention_budget_default_and_unlimited(given, pages):
     """No attention budget: what fits in the device budget; '100%' / 'unlimited': every page."""
     kw = {} if given is None else {"attention_budget": given}
-    b = resolve_budgets(TieredKVConfig(device_budget="25%", **kw), num_layers=30, token_bytes_per_layer=1536,
+    b = resolve_budgets(TieredKVConfig(device_budget="25%", warm_codec="off", **kw), num_layers=30, token_bytes_per_layer=1536,
                         full_tokens=1032)
     assert (b.device_pages, b.attention_pages) == (16, pages)

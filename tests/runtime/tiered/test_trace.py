@@ -12,7 +12,7 @@ from tieredkv.runtime.tiered.policies import POLICIES
 from tieredkv.runtime.tiered.trace import AccessTrace, TraceRecorder, replay
 
 LIVE_POLICIES = sorted(n for n, p in POLICIES.items() if not p.needs_trace)
-SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2)
+SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2, warm_codec="off")  # warm-less unless a test says
 MODEL = tiny_model(seed=3)
 
 

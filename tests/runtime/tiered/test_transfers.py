@@ -15,7 +15,7 @@ from tieredkv.runtime.tiered.cache import TieredKVCache
 from tieredkv.runtime.tiered.config import TieredKVConfig
 from tieredkv.runtime.tiered.transfers import StagingPool, Transfers
 
-SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2)
+SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2, warm_codec="off")  # warm-less unless a test says
 
 
 class Event:
