@@ -238,7 +238,11 @@ def main() -> int:
             "lr": args.lr, "train_examples": sum(len(g["items"]) for g in train_ex),
             "test_examples": sum(len(g["items"]) for g in test_ex),
             "eval_examples": sum(len(g["items"]) for g in eval_ex), "final_loss": losses[-1],
-            "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python"] + sys.argv)}
+            "date": time.strftime("%Y-%m-%d"),
+            # what reproduces the weights (not where they were written: no machine path in the file)
+            "command": (f"python tools/train_scorer.py --texts {' '.join(args.texts)} --eval-texts {' '.join(eval_texts)} "
+                        f"--segments {args.segments} --segment-len {args.segment_len} --queries {args.queries} "
+                        f"--horizon {args.horizon} --steps {args.steps} --lr {args.lr:g} --seed {args.seed}")}
     scorer.save(args.out, meta)
     report = Path(args.report)
     report.mkdir(parents=True, exist_ok=True)
