@@ -86,17 +86,21 @@ def test_relevance_and_score_ranges():
     assert torch.equal(relevance_only, rel)  # the score with weights (1, 0, 0) is the relevance itself
 
 
+def random_pages(gen: torch.Generator, B: int, H: int, KVH: int, D: int, M: int) -> tuple:
+    """A query and M pages' key bounds per sequence: (q, kmin, kmax, tokens, mask), ~20 % masked."""
+    kmin = torch.randn(B, M, KVH, D, generator=gen)
+    kmax = kmin + torch.rand(B, M, KVH, D, generator=gen)
+    q = torch.randn(B, H, D, generator=gen)
+    return q, kmin, kmax, torch.randint(1, 17, (B, M), generator=gen), torch.rand(B, M, generator=gen) > 0.2
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_head_rank_selection_is_the_union_of_every_heads_top_pages(seed):
     """Top k by relevance(aggregate="head-rank") = the union of each head's top j pages (by its
     bound) for the largest j whose union fits in k, topped up by the next ranks; masked pages 0."""
     gen = torch.Generator().manual_seed(seed)
     B, H, KVH, D, M = 2, 6, 3, 8, 23
-    kmin = torch.randn(B, M, KVH, D, generator=gen)
-    kmax = kmin + torch.rand(B, M, KVH, D, generator=gen)
-    q = torch.randn(B, H, D, generator=gen)
-    tokens = torch.randint(1, 17, (B, M), generator=gen)
-    mask = torch.rand(B, M, generator=gen) > 0.2
+    q, kmin, kmax, tokens, mask = random_pages(gen, B, H, KVH, D, M)
     score = relevance(q, kmin, kmax, tokens, mask, aggregate="head-rank")
     assert (score[~mask] == 0).all() and (score[mask] > 0).all() and (score <= 1).all()
     ub = quest_upper_bound(q, kmin, kmax) / math.sqrt(D) + torch.log(tokens.float()).unsqueeze(1)
@@ -203,11 +207,7 @@ def test_kv_head_relevance_is_the_share_of_each_query_group_alone(seed):
     score broadcasts the page signals over the kv heads."""
     gen = torch.Generator().manual_seed(seed)
     B, H, KVH, D, M = 2, 9, 3, 8, 13
-    kmin = torch.randn(B, M, KVH, D, generator=gen)
-    kmax = kmin + torch.rand(B, M, KVH, D, generator=gen)
-    q = torch.randn(B, H, D, generator=gen)
-    tokens = torch.randint(1, 17, (B, M), generator=gen)
-    mask = torch.rand(B, M, generator=gen) > 0.2
+    q, kmin, kmax, tokens, mask = random_pages(gen, B, H, KVH, D, M)
     rel = relevance(q, kmin, kmax, tokens, mask, aggregate="kv-head")
     assert rel.shape == (B, KVH, M) and (rel[~mask.unsqueeze(1).expand_as(rel)] == 0).all()
     g = H // KVH
