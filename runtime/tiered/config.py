@@ -186,10 +186,14 @@ def _codecs() -> Mapping[str, Any]:
     return CODECS
 
 
-def _codec_aliases() -> Mapping[str, str]:
+#: the aliases of "none" an optional choice takes (e.g. warm_codec = "off": no warm tier)
+_OFF: Mapping[str, None] = {"off": None, "none": None}
+
+
+def _codec_aliases() -> Mapping[str, str | None]:
     from tieredkv.plugins.codec import DEFAULT_CODEC
 
-    return {"default": DEFAULT_CODEC, "off": None, "none": None}
+    return {"default": DEFAULT_CODEC, **_OFF}
 
 
 class _Settings:
@@ -320,7 +324,7 @@ def _predictors() -> Mapping[str, Any]:
 
 def _predictor_aliases() -> Mapping[str, str | None]:
     # the measured winner (docs/benchmarks.md §9: the GRU did not beat it after paying its cost)
-    return {"default": "last", "off": None, "none": None}
+    return {"default": "last", **_OFF}
 
 
 def _distance(v: Any) -> str | int:

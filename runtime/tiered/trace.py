@@ -8,8 +8,6 @@ device hit rate, and Belady's MIN oracle (which needs the future) its upper boun
 
 from __future__ import annotations
 
-import dataclasses
-
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,7 +184,7 @@ def replay(trace: AccessTrace, config: TieredKVConfig, *, token_bytes_per_layer:
     trace carries no K/V to encode): the replay runs ``config`` with ``warm_codec = "off"``."""
     from tieredkv.runtime.tiered.prefetch import Predictor, Prefetcher, make_predictor
 
-    config = dataclasses.replace(config, warm=dataclasses.replace(config.warm, codec=None))
+    config = config.replace(warm_codec=None)
     if config.page_size != trace.page_size:
         raise ValueError(f"trace has page size {trace.page_size}, config {config.page_size}")
     budgets = resolve_budgets(config, num_layers=trace.num_layers, token_bytes_per_layer=token_bytes_per_layer,

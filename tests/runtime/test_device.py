@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from helpers import tiny_model
+from helpers import SMALL_KV as SMALL, tiny_model
 from tieredkv.errors import ConfigError
 from tieredkv.models.llama import prefill
 from tieredkv.runtime.generate import generate
@@ -22,7 +22,6 @@ from tieredkv.runtime.sampling import SamplingParams, sample_token
 from tieredkv.runtime.tiered.cache import TieredKVCache
 from tieredkv.runtime.tiered.config import TieredKVConfig
 
-SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2, warm_codec="off")  # warm-less unless a test says
 PROMPTS = [list(range(5, 205)), list(range(300, 333))]
 WORK = dict(full_tokens=212, num_sequences=2)  # the longest prompt + 12 new tokens, two sequences
 TIERED = {

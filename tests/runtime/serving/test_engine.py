@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from helpers import tiny_model
+from helpers import SMALL_KV as SMALL, tiny_model
 from tieredkv.errors import ConfigError, ContextLengthError, KVCacheFullError
 from tieredkv.models.cache import ContiguousKVCache
 from tieredkv.runtime.generate import generate
@@ -22,9 +22,8 @@ from tieredkv.runtime.tiered.config import TieredKVConfig
 
 MODEL = tiny_model(seed=3)
 SPEC = MODEL.kv_spec()
-PAGE = 8
+PAGE = SMALL["page_size"]
 TOKEN_BYTES = SPEC.token_bytes_per_layer * SPEC.num_layers
-SMALL = dict(page_size=PAGE, sink_tokens=4, recent_tokens=16, staging_pages=2, warm_codec="off")  # warm-less unless a test says
 
 
 def prompts(n: int, seed: int, lo: int = 5, hi: int = 120) -> list[list[int]]:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from helpers import tiny_model
+from helpers import SMALL_KV as SMALL, tiny_model
 from tieredkv.errors import ConfigError
 from tieredkv.runtime.sampling import SamplingParams
 from tieredkv.runtime.serving import Engine, PrefixConfig, SchedulerConfig
@@ -16,9 +16,8 @@ from tieredkv.runtime.tiered.config import TieredKVConfig
 
 MODEL = tiny_model(seed=3)
 SPEC = MODEL.kv_spec()
-PAGE = 8
+PAGE = SMALL["page_size"]
 TOKEN_BYTES = SPEC.token_bytes_per_layer * SPEC.num_layers
-SMALL = dict(page_size=PAGE, sink_tokens=4, recent_tokens=16, staging_pages=2, warm_codec="off")  # warm-less unless a test says
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
 
 

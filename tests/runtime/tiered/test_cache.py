@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 
-from helpers import tiny_model
+from helpers import SMALL_KV as SMALL, tiny_model
 from tieredkv.errors import ConfigError, KVCacheFullError
 from tieredkv.models.llama import prefill
 from tieredkv.runtime.generate import generate
@@ -18,7 +18,6 @@ from tieredkv.runtime.tiered.config import TieredKVConfig
 from tieredkv.runtime.tiered.policies import POLICIES
 
 LIVE_POLICIES = sorted(n for n, p in POLICIES.items() if not p.needs_trace)
-SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2, warm_codec="off")  # warm-less unless a test says
 MODEL = tiny_model(seed=3)
 PROMPTS = [list(range(5, 205)), list(range(300, 333))]
 L = MODEL.config.num_layers

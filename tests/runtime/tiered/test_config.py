@@ -4,6 +4,7 @@ bad value naming the setting, TOML / YAML files with tables or flat keys."""
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from helpers import SMALL_KV as SMALL
 from tieredkv.errors import ConfigError, DataFileError
 from tieredkv.runtime.tiered.config import (
     FLAT_SETTINGS,
@@ -14,8 +15,6 @@ from tieredkv.runtime.tiered.config import (
     WarmConfig,
     resolve_budgets,
 )
-
-SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2, warm_codec="off")  # warm-less unless a test says
 
 
 @pytest.mark.parametrize("text,kind,value", [("25%", "percent", 0.25), ("64MiB", "bytes", 64 * 2**20),

@@ -13,14 +13,13 @@ import textwrap
 import pytest
 import torch
 
-from helpers import tiny_model
+from helpers import SMALL_KV as SMALL, tiny_model
 from tieredkv.errors import ConfigError
 from tieredkv.models.llama import prefill
 from tieredkv.runtime.tiered.cache import TieredKVCache
 from tieredkv.runtime.tiered.config import TieredKVConfig
 from tieredkv.runtime.tiered.store import T4_MAGIC, create_t4_file
 
-SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2, warm_codec="off")  # warm-less unless a test says
 MODEL = tiny_model(seed=3)
 
 

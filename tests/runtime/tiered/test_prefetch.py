@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from helpers import tiny_model
+from helpers import SMALL_KV as SMALL, tiny_model
 from tieredkv.errors import ConfigError, DataFileError
 from tieredkv.models.llama import prefill
 from tieredkv.runtime.generate import generate
@@ -22,7 +22,6 @@ from tieredkv.runtime.tiered.step import TIER_CODES
 from tieredkv.runtime.tiered.step_time import GPUS, prefetch_distance, step_time, weight_bytes
 from tieredkv.runtime.tiered.trace import AccessLogger, AccessTrace, TraceRecorder, replay
 
-SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2, warm_codec="off")  # warm-less unless a test says
 MODEL = tiny_model(seed=3)
 PROMPT = list(range(7, 237))
 LIVE = sorted(n for n, p in PREDICTORS.items() if not p.offline)

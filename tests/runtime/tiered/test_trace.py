@@ -3,7 +3,7 @@ run's decisions and accounting for every policy and mode; Belady's MIN bounds ev
 
 import pytest
 
-from helpers import tiny_model
+from helpers import SMALL_KV as SMALL, tiny_model
 from tieredkv.runtime.generate import generate
 from tieredkv.runtime.sampling import SamplingParams
 from tieredkv.runtime.tiered.cache import TieredKVCache
@@ -12,7 +12,6 @@ from tieredkv.runtime.tiered.policies import POLICIES
 from tieredkv.runtime.tiered.trace import AccessTrace, TraceRecorder, replay
 
 LIVE_POLICIES = sorted(n for n, p in POLICIES.items() if not p.needs_trace)
-SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2, warm_codec="off")  # warm-less unless a test says
 MODEL = tiny_model(seed=3)
 
 

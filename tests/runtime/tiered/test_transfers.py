@@ -8,14 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import tiny_model
+from helpers import SMALL_KV as SMALL, tiny_model
 from tieredkv.runtime.generate import generate
 from tieredkv.runtime.sampling import SamplingParams
 from tieredkv.runtime.tiered.cache import TieredKVCache
 from tieredkv.runtime.tiered.config import TieredKVConfig
 from tieredkv.runtime.tiered.transfers import StagingPool, Transfers
 
-SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2, warm_codec="off")  # warm-less unless a test says
 
 
 class Event:
