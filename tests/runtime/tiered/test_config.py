@@ -35,6 +35,8 @@ def test_bad_budgets(bad):
     (dict(policy="fifo"), r"policy \(migration.policy\): unknown value 'fifo'; expected one of \['belady'"),
     (dict(mode="lazy"), r"mode \(selection.mode\): unknown value 'lazy'; expected one of \['exact', 'masked'\]"),
     (dict(selection_aggregate="mean"), r"selection_aggregate \(selection.aggregate\): unknown value 'mean'"),
+    (dict(dense_layers=-1), r"dense_layers \(selection.dense_layers\): must be an integer in \[0, 1024\], got -1"),
+    (dict(prefetch_predictor="lstm"), r"prefetch_predictor \(prefetch.predictor\): unknown value 'lstm'"),
     (dict(promote_score=1.5), r"promote_score \(migration.promote_score\): must be in \[0, 1\]"),
     (dict(demote_score=0.8, promote_score=0.7), "demote_score .* must not exceed promote_score"),
     (dict(score_weights=(0.5, 0.5, 0.5)), r"score_weights .*summing to 1"),
