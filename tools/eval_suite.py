@@ -7,13 +7,18 @@ lengths — for any set of methods at KV budgets; write one table (markdown + JS
 
     python tools/eval_suite.py --quick --out results/suite-quick      # CI-sized: 1k, 2 trials, 1 window
 
+    python tools/eval_suite.py --merge results/suite results/old:full,default=exact --out results/table
+
 Methods: ``full`` (the reference), ``tiered:SETTING=VALUE,...`` (TieredKVConfig flat settings;
 ``name=`` names the row; each budget becomes ``device_budget``), ``kvpress:PRESS`` (a press of
 tools/eval/kvpress_methods.py: streaming_llm, snapkv, tova, observed_attention, knorm,
 expected_attention). Texts: registered names (runtime/eval/texts.py; default: all) or
 ``NAME=PATH`` for a UTF-8 file of your own. Output in ``--out``: results.json (every raw
 result; the resume store: finished cells with the same parameters are skipped), table.md,
-table.json, suite.png. docs/eval-suite.md explains the table.
+table.json, suite.png. docs/eval-suite.md explains the table. ``--merge DIR[:METHOD,OLD=NEW,...] ...``
+runs nothing: it writes one store, table and plot from several stores (only the methods named
+after ':', ``OLD=NEW`` renamed — e.g. a row measured under an earlier default); a cell two
+stores hold must agree in both, else the merge is refused.
 """
 
 from __future__ import annotations
@@ -84,6 +89,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--teacher-forcing-chunk", type=int, default=256, help="for kvpress rows (same results any value)")
     p.add_argument("--out", type=Path, default=Path("results/suite"))
     p.add_argument("--report-only", action="store_true", help="rewrite the table and plot from results.json")
+    p.add_argument("--merge", nargs="+", default=None, metavar="DIR[:METHOD,OLD=NEW,...]",
+                   help="write one store, table and plot into --out from these stores (only the methods named "
+                        "after ':', OLD=NEW renamed); nothing is run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -109,6 +117,13 @@ def _log(msg: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.merge:
+            store = S.merge_stores([S.parse_source(item) for item in args.merge])
+            args.out.mkdir(parents=True, exist_ok=True)
+            S.save_store(store, args.out / S.RESULTS_FILE)
+            for path in S.write_report(store, args.out):
+                _log(f"wrote {path}")
+            return 0
         if args.report_only:
             store = S.load_store(args.out / S.RESULTS_FILE)
             if not store["results"]:

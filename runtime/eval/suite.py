@@ -241,6 +241,98 @@ def save_store(store: dict[str, Any], path: Path) -> None:
     os.replace(tmp, path)  # atomic: a killed run never leaves half a file
 
 
+def parse_source(item: str) -> tuple[Path, dict[str, str] | None]:
+    """``DIR`` (every method of that store) or ``DIR:METHOD,OLD=NEW,...`` (only those methods,
+    ``OLD=NEW`` renamed; a selection names rows without ',' or '=' in their names, i.e. rows
+    named with ``name=``) -> (the store file, {method: name in the merged store} or None)."""
+    where, sep, pick = item.partition(":")
+    path = Path(where)
+    path = path / RESULTS_FILE if path.suffix != ".json" else path
+    if not sep:
+        return path, None
+    names: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in pick.split(","))):
+        old, _, new = part.partition("=")
+        if not old or (_ and not new):
+            raise ConfigError(f"merge source {item!r}: expected DIR:METHOD,OLD=NEW,... (got {part!r})")
+        names[old] = new or old
+    if not names:
+        raise ConfigError(f"merge source {item!r}: no method named after ':'")
+    return path, names
+
+
+def _headline(entry: dict[str, Any]) -> tuple:
+    res = entry["result"]
+    return (res.get("perplexity"), res.get("accuracy"), res.get("recall"), res.get("mean_logprob"))
+
+
+def merge_stores(sources: Sequence[tuple[Path, Mapping[str, str] | None]]) -> dict[str, Any]:
+    """One store from several (each ``(results.json, {method: new name} or None)``): the table
+    of runs made at different times, e.g. rows renamed after a default changed. Every source
+    must be a suite store of the same model; a method named in a selection must be in its
+    store; a cell present in two sources must agree on its parameters and figures (a full
+    cache row copied between stores), else the merge is refused — name which source's row to
+    keep with a selection. The merged meta lists the sources and the texts, framings, trials
+    and perplexity windows of every cell."""
+    if not sources:
+        raise ConfigError("merge: no source stores given")
+    merged: dict[str, Any] = {"schema": SCHEMA, "kind": "eval-suite", "meta": {}, "results": {}}
+    meta = merged["meta"]
+    origin: dict[str, str] = {}
+    trials: set[int] = set()
+    windows: set[int] = set()
+    for path, names in sources:
+        if not path.is_file():
+            raise DataFileError(f"merge source {path}: no such results file")
+        try:
+            store = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise DataFileError(f"merge source {path}: not JSON ({exc})") from None
+        if not isinstance(store, dict) or store.get("schema") != SCHEMA or store.get("kind") != "eval-suite":
+            raise DataFileError(f"merge source {path}: not an eval-suite results store (schema {SCHEMA})")
+        smeta = store.get("meta", {})
+        if meta.setdefault("model", smeta.get("model")) != smeta.get("model"):
+            raise ConfigError(f"merge source {path}: model {smeta.get('model')!r}, the others {meta['model']!r}")
+        present = {e["method"] for e in store["results"].values()}
+        missing = sorted(set(names or ()) - present)
+        if missing:
+            raise ConfigError(f"merge source {path}: no method {missing} (it has {sorted(present)})")
+        for entry in store["results"].values():
+            if names is not None and entry["method"] not in names:
+                continue
+            entry = dict(entry)
+            new = (names or {}).get(entry["method"], entry["method"])
+            if new != entry["method"]:
+                entry["renamed_from"], entry["method"] = entry["method"], new
+            key = cell_key(new, entry["budget"], entry["text"], entry["task"], entry["context"])
+            old = merged["results"].get(key)
+            if old is not None and (old["params"] != entry["params"] or _headline(old) != _headline(entry)):
+                raise ConfigError(f"merge: cell {key} differs between {origin[key]} and {path}; keep one with "
+                                  f"a selection (DIR:METHOD,...)")
+            if old is None:
+                merged["results"][key], origin[key] = entry, str(path)
+            params = entry["params"]
+            (windows if entry["task"] == PERPLEXITY else trials).add(params.get("windows", params.get("trials")))
+        for name, info in smeta.get("texts", {}).items():
+            if meta.setdefault("texts", {}).setdefault(name, info) != info:
+                raise ConfigError(f"merge source {path}: text {name} is {info}, elsewhere {meta['texts'][name]}")
+        for task, frame in (smeta.get("framing") or {}).items():
+            if meta.setdefault("framing", {}).setdefault(task, frame) != frame:
+                raise ConfigError(f"merge source {path}: task {task} framed {frame}, elsewhere {meta['framing'][task]}")
+        for stamp in ("created", "updated"):
+            if smeta.get(stamp):
+                meta[stamp] = max(meta.get(stamp, ""), smeta[stamp])
+        meta.setdefault("sources", []).append(str(path.parent) + ("" if names is None else ":" + ",".join(
+            o if o == n else f"{o}={n}" for o, n in names.items())))
+        cfg = smeta.get("config", {})
+        meta["config"] = {**cfg, **meta.get("config", {})}
+    used_texts = {e["text"] for e in merged["results"].values()}
+    meta["texts"] = {n: v for n, v in meta.get("texts", {}).items() if n in used_texts}
+    meta["config"].update(trials="/".join(map(str, sorted(t for t in trials if t is not None))) or None,
+                          ppl_windows="/".join(map(str, sorted(w for w in windows if w is not None))) or None)
+    return merged
+
+
 @dataclass
 class Cell:
     spec: MethodSpec

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import tiny_model, write_gguf
-from tieredkv.errors import ConfigError
+from tieredkv.errors import ConfigError, DataFileError
 from tieredkv.models.loading import load_checkpoint
 from tieredkv.runtime.eval import passkey as pk
 from tieredkv.runtime.eval import suite as S
@@ -278,6 +278,42 @@ def test_run_suite_store_resume_table_and_plot(tiny, tmp_path):
     assert len([m for m in logs if m.startswith("done")]) == 2 * 2  # the passkey cells, not perplexity
 
 
+def test_merge_stores_selects_renames_and_refuses_disagreeing_cells(tiny, tmp_path):
+    texts = [S.SuiteText("alpha", haystack_text(300, 1), "test prose", "user")]
+    cfg = S.SuiteConfig(texts=("alpha",), tasks=("perplexity", "passkey"), contexts=(448,), budgets=(0.5,),
+                        trials=1, ppl_windows=1)
+    a, b = tmp_path / "a", tmp_path / "b"
+    S.run_suite([S.parse_method("full"), S.parse_method("tiered:name=default,mode=exact")], tiny.model,
+                tiny.tokenizer, texts, cfg, a, progress=False)
+    S.run_suite([S.parse_method("full"), S.parse_method("tiered:name=default,mode=masked")], tiny.model,
+                tiny.tokenizer, texts, cfg, b, progress=False)
+    # a's "default" kept under another name, b's full-cache cells equal a's (deduplicated)
+    merged = S.merge_stores([S.parse_source(f"{a}:full,default=exact"), S.parse_source(str(b))])
+    keys = set(merged["results"])
+    assert keys == {f"{m}@{bud:g}/alpha/{t}@448" for m, bud in (("full", 1), ("exact", 0.5), ("default", 0.5))
+                    for t in ("perplexity", "passkey")}
+    exact = merged["results"]["exact@0.5/alpha/passkey@448"]
+    assert exact["renamed_from"] == "default" and exact["spec"] == "tiered:name=default,mode=exact"
+    src = json.loads((a / S.RESULTS_FILE).read_text())["results"]["default@0.5/alpha/perplexity@448"]
+    assert merged["results"]["exact@0.5/alpha/perplexity@448"]["result"] == src["result"]
+    assert merged["meta"]["config"]["trials"] == "1" and merged["meta"]["config"]["ppl_windows"] == "1"
+    assert [s.split(":")[-1] for s in merged["meta"]["sources"]] == ["full,default=exact", str(b)]
+    assert "| exact | 50 | alpha |" in S.table_markdown(merged)
+    # the same cell, different figures: refused, naming the cell; a selection resolves it
+    with pytest.raises(ConfigError, match="cell default@0.5/alpha/perplexity@448 differs between"):
+        S.merge_stores([S.parse_source(str(a)), S.parse_source(str(b))])
+    assert len(S.merge_stores([S.parse_source(f"{a}:full"), S.parse_source(str(b))])["results"]) == 4
+    with pytest.raises(ConfigError, match=r"no method \['nope'\]"):
+        S.merge_stores([S.parse_source(f"{a}:nope")])
+    with pytest.raises(ConfigError, match="expected DIR:METHOD"):
+        S.parse_source(f"{a}:x=")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(DataFileError, match="not JSON"):
+        S.merge_stores([S.parse_source(str(tmp_path / "bad.json"))])
+    with pytest.raises(DataFileError, match="no such results file"):
+        S.merge_stores([S.parse_source(str(tmp_path / "none"))])
+
+
 def test_context_longer_than_the_model_is_refused(tiny, tmp_path):
     cfg = S.SuiteConfig(texts=("a",), contexts=(4096,), tasks=("passkey",))
     with pytest.raises(ConfigError, match="exceed the model's context"):
@@ -319,6 +355,9 @@ def test_command_quick_on_a_tiny_model(tiny, tmp_path, eval_suite_tool):
     (out / S.TABLE_FILE).unlink()
     assert eval_suite_tool.main(["--report-only", "--out", str(out)]) == 0
     assert (out / S.TABLE_FILE).read_text() == md
+    merged = tmp_path / "merged"
+    assert eval_suite_tool.main(["--merge", f"{out}:full,streaming_llm=press", "--out", str(merged)]) == 0
+    assert "| press |" in (merged / S.TABLE_FILE).read_text() and (merged / S.PLOT_FILE).is_file()
 
 
 def test_command_errors_are_one_line(tmp_path, eval_suite_tool, capsys):
