@@ -475,6 +475,10 @@ def summarize(store: dict[str, Any]) -> list[Row]:
     groups: dict[tuple, list[Row]] = {}
     for r in rows.values():
         groups.setdefault((r.method, r.budget, r.context), []).append(r)
+    # the reference first, then budget by budget (largest first), methods in order of appearance
+    order = {m: i for i, m in enumerate(dict.fromkeys(k[0] for k in groups))}
+    groups = dict(sorted(groups.items(), key=lambda kv: (not kv[1][0].reference, -kv[0][1], kv[0][2],
+                                                         order[kv[0][0]])))
     overall: dict[tuple, list[Row]] = {}
     for (method, budget, context), members in groups.items():
         members.sort(key=lambda r: r.text)
@@ -539,7 +543,12 @@ def table_markdown(store: dict[str, Any]) -> str:
              "context length, mean over texts.", "",
              "## Summary: mean over texts and context lengths", "",
              "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    for r in (r for r in rows if r.context is None):
+    summary = [r for r in rows if r.context is None]
+    covered = {tuple(sorted(r.tasks)) for r in summary}
+    if len(covered) > 1:
+        lines[-2:-2] = ["Rows ran different task sets (a '–' is a task a row did not run): compare the task means "
+                        "only between rows with the same tasks.", ""]
+    for r in summary:
         lines.append(f"| {r.method} | {100 * r.budget:g} | {_fmt(r.delta_ppl_pct, '+.2f')} | "
                      + " | ".join(_cell(r.tasks.get(t)) for t in tasks)
                      + f" | {_fmt(r.task_accuracy, '.2f')} | {_fmt(r.task_logprob, '.2f')} |")

@@ -299,6 +299,11 @@ def test_merge_stores_selects_renames_and_refuses_disagreeing_cells(tiny, tmp_pa
     assert merged["meta"]["config"]["trials"] == "1" and merged["meta"]["config"]["ppl_windows"] == "1"
     assert [s.split(":")[-1] for s in merged["meta"]["sources"]] == ["full,default=exact", str(b)]
     assert "| exact | 50 | alpha |" in S.table_markdown(merged)
+    assert "ran different task sets" not in S.table_markdown(merged)
+    del merged["results"]["exact@0.5/alpha/passkey@448"]  # a row without a task: the table says so
+    assert "ran different task sets" in S.table_markdown(merged)
+    summary = [(r.method, r.budget) for r in S.summarize(merged) if r.context is None]
+    assert summary == [("full", 1.0), ("exact", 0.5), ("default", 0.5)]  # reference, then by budget
     # the same cell, different figures: refused, naming the cell; a selection resolves it
     with pytest.raises(ConfigError, match="cell default@0.5/alpha/perplexity@448 differs between"):
         S.merge_stores([S.parse_source(str(a)), S.parse_source(str(b))])
