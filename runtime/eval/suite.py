@@ -510,6 +510,10 @@ def _cell(v: tuple[float, float, float] | None) -> str:
     return "–" if v is None else f"{v[0]:.2f} ({v[2]:.2f})"
 
 
+def _line(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
 def protocol_line(store: dict[str, Any]) -> str:
     meta = store.get("meta", {})
     cfg = meta.get("config", {})
@@ -542,26 +546,26 @@ def table_markdown(store: dict[str, Any]) -> str:
              "answer (nats; higher is better). Δppl: perplexity relative to the full cache on the same text and "
              "context length, mean over texts.", "",
              "## Summary: mean over texts and context lengths", "",
-             "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+             _line(head), "|---|" + "---:|" * (len(head) - 1)]
     summary = [r for r in rows if r.context is None]
     covered = {tuple(sorted(r.tasks)) for r in summary}
     if len(covered) > 1:
         lines[-2:-2] = ["Rows ran different task sets (a '–' is a task a row did not run): compare the task means "
                         "only between rows with the same tasks.", ""]
     for r in summary:
-        lines.append(f"| {r.method} | {100 * r.budget:g} | {_fmt(r.delta_ppl_pct, '+.2f')} | "
-                     + " | ".join(_cell(r.tasks.get(t)) for t in tasks)
-                     + f" | {_fmt(r.task_accuracy, '.2f')} | {_fmt(r.task_logprob, '.2f')} |")
+        lines.append(_line([r.method, f"{100 * r.budget:g}", _fmt(r.delta_ppl_pct, '+.2f'),
+                            *(_cell(r.tasks.get(t)) for t in tasks), _fmt(r.task_accuracy, '.2f'),
+                            _fmt(r.task_logprob, '.2f')]))
     contexts = sorted({r.context for r in rows if r.context is not None})
     head = (["method", "budget %", "text", "ppl", "Δppl %"] + list(tasks) + ["task mean acc", "task mean log-prob"])
     for c in contexts:
-        lines += ["", f"## Context length {c}", "", "| " + " | ".join(head) + " |",
+        lines += ["", f"## Context length {c}", "", _line(head),
                   "|---|---:|---|" + "---:|" * (len(head) - 3)]
         for r in (r for r in rows if r.context == c):
             text = "**mean**" if r.text == "mean" else r.text
-            lines.append(f"| {r.method} | {100 * r.budget:g} | {text} | {_fmt(r.perplexity, '.3f')} | "
-                         f"{_fmt(r.delta_ppl_pct, '+.2f')} | " + " | ".join(_cell(r.tasks.get(t)) for t in tasks)
-                         + f" | {_fmt(r.task_accuracy, '.2f')} | {_fmt(r.task_logprob, '.2f')} |")
+            lines.append(_line([r.method, f"{100 * r.budget:g}", text, _fmt(r.perplexity, '.3f'),
+                                _fmt(r.delta_ppl_pct, '+.2f'), *(_cell(r.tasks.get(t)) for t in tasks),
+                                _fmt(r.task_accuracy, '.2f'), _fmt(r.task_logprob, '.2f')]))
     return "\n".join(lines) + "\n"
 
 

@@ -303,6 +303,10 @@ def test_merge_stores_selects_renames_and_refuses_disagreeing_cells(tiny, tmp_pa
     del merged["results"]["exact@0.5/alpha/passkey@448"]  # a row without a task: the table says so
     assert "ran different task sets" in S.table_markdown(merged)
     summary = [(r.method, r.budget) for r in S.summarize(merged) if r.context is None]
+    ppl_only = {**merged, "results": {k: v for k, v in merged["results"].items() if v["task"] == "perplexity"}}
+    for block in S.table_markdown(ppl_only).split("\n\n"):  # every row as wide as its header
+        rows = [line for line in block.splitlines() if line.startswith("|")]
+        assert len({line.count("|") for line in rows}) <= 1, block
     assert summary == [("full", 1.0), ("exact", 0.5), ("default", 0.5)]  # reference, then by budget
     # the same cell, different figures: refused, naming the cell; a selection resolves it
     with pytest.raises(ConfigError, match="cell default@0.5/alpha/perplexity@448 differs between"):
