@@ -17,8 +17,8 @@ expected_attention). Texts: registered names (runtime/eval/texts.py; default: al
 result; the resume store: finished cells with the same parameters are skipped), table.md,
 table.json, suite.png. docs/eval-suite.md explains the table. ``--merge DIR[:METHOD,OLD=NEW,...] ...``
 runs nothing: it writes one store, table and plot from several stores (only the methods named
-after ':', ``OLD=NEW`` renamed — e.g. a row measured under an earlier default); a cell two
-stores hold must agree in both, else the merge is refused.
+after ':', ``OLD=NEW`` renamed — e.g. a row measured under an earlier default; ``--tasks``
+keeps only those tasks); a cell two stores hold must agree in both, else the merge is refused.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         if args.merge:
-            store = S.merge_stores([S.parse_source(item) for item in args.merge])
+            store = S.merge_stores([S.parse_source(item) for item in args.merge], tasks=args.tasks)
             args.out.mkdir(parents=True, exist_ok=True)
             S.save_store(store, args.out / S.RESULTS_FILE)
             for path in S.write_report(store, args.out):

@@ -266,14 +266,16 @@ def _headline(entry: dict[str, Any]) -> tuple:
     return (res.get("perplexity"), res.get("accuracy"), res.get("recall"), res.get("mean_logprob"))
 
 
-def merge_stores(sources: Sequence[tuple[Path, Mapping[str, str] | None]]) -> dict[str, Any]:
+def merge_stores(sources: Sequence[tuple[Path, Mapping[str, str] | None]], *,
+                 tasks: Sequence[str] | None = None) -> dict[str, Any]:
     """One store from several (each ``(results.json, {method: new name} or None)``): the table
     of runs made at different times, e.g. rows renamed after a default changed. Every source
     must be a suite store of the same model; a method named in a selection must be in its
     store; a cell present in two sources must agree on its parameters and figures (a full
     cache row copied between stores), else the merge is refused — name which source's row to
-    keep with a selection. The merged meta lists the sources and the texts, framings, trials
-    and perplexity windows of every cell."""
+    keep with a selection. ``tasks``: only the cells of these tasks (e.g. to leave out a task a
+    run covered on one text only). The merged meta lists the sources and the texts, framings,
+    trials and perplexity windows of every cell."""
     if not sources:
         raise ConfigError("merge: no source stores given")
     merged: dict[str, Any] = {"schema": SCHEMA, "kind": "eval-suite", "meta": {}, "results": {}}
@@ -298,7 +300,7 @@ def merge_stores(sources: Sequence[tuple[Path, Mapping[str, str] | None]]) -> di
         if missing:
             raise ConfigError(f"merge source {path}: no method {missing} (it has {sorted(present)})")
         for entry in store["results"].values():
-            if names is not None and entry["method"] not in names:
+            if (names is not None and entry["method"] not in names) or (tasks and entry["task"] not in tasks):
                 continue
             entry = dict(entry)
             new = (names or {}).get(entry["method"], entry["method"])

@@ -312,6 +312,8 @@ def test_merge_stores_selects_renames_and_refuses_disagreeing_cells(tiny, tmp_pa
     with pytest.raises(ConfigError, match="cell default@0.5/alpha/perplexity@448 differs between"):
         S.merge_stores([S.parse_source(str(a)), S.parse_source(str(b))])
     assert len(S.merge_stores([S.parse_source(f"{a}:full"), S.parse_source(str(b))])["results"]) == 4
+    only = S.merge_stores([S.parse_source(str(a))], tasks=["perplexity"])["results"]
+    assert {e["task"] for e in only.values()} == {"perplexity"} and len(only) == 2
     with pytest.raises(ConfigError, match=r"no method \['nope'\]"):
         S.merge_stores([S.parse_source(f"{a}:nope")])
     with pytest.raises(ConfigError, match="expected DIR:METHOD"):
