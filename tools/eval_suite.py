@@ -117,17 +117,15 @@ def _log(msg: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        if args.merge:
-            store = S.merge_stores([S.parse_source(item) for item in args.merge], tasks=args.tasks)
-            args.out.mkdir(parents=True, exist_ok=True)
-            S.save_store(store, args.out / S.RESULTS_FILE)
-            for path in S.write_report(store, args.out):
-                _log(f"wrote {path}")
-            return 0
-        if args.report_only:
-            store = S.load_store(args.out / S.RESULTS_FILE)
-            if not store["results"]:
-                raise TieredKVError(f"{args.out / S.RESULTS_FILE}: no results to report")
+        if args.merge or args.report_only:  # nothing to run: a store to report
+            if args.merge:
+                store = S.merge_stores([S.parse_source(item) for item in args.merge], tasks=args.tasks)
+                args.out.mkdir(parents=True, exist_ok=True)
+                S.save_store(store, args.out / S.RESULTS_FILE)
+            else:
+                store = S.load_store(args.out / S.RESULTS_FILE)
+                if not store["results"]:
+                    raise TieredKVError(f"{args.out / S.RESULTS_FILE}: no results to report")
             for path in S.write_report(store, args.out):
                 _log(f"wrote {path}")
             return 0

@@ -227,10 +227,14 @@ def cell_key(method: str, budget: float, text: str, task: str, context: int) -> 
     return f"{method}@{budget:g}/{text}/{task}@{context}"
 
 
+def _is_store(store: Any) -> bool:
+    return isinstance(store, dict) and store.get("schema") == SCHEMA and store.get("kind") == "eval-suite"
+
+
 def load_store(path: Path) -> dict[str, Any]:
     if path.is_file():
         store = json.loads(path.read_text())
-        if store.get("schema") == SCHEMA and store.get("kind") == "eval-suite":
+        if _is_store(store):
             return store
     return {"schema": SCHEMA, "kind": "eval-suite", "meta": {}, "results": {}}
 
@@ -290,7 +294,7 @@ def merge_stores(sources: Sequence[tuple[Path, Mapping[str, str] | None]], *,
             store = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise DataFileError(f"merge source {path}: not JSON ({exc})") from None
-        if not isinstance(store, dict) or store.get("schema") != SCHEMA or store.get("kind") != "eval-suite":
+        if not _is_store(store):
             raise DataFileError(f"merge source {path}: not an eval-suite results store (schema {SCHEMA})")
         smeta = store.get("meta", {})
         if meta.setdefault("model", smeta.get("model")) != smeta.get("model"):
@@ -328,6 +332,9 @@ def merge_stores(sources: Sequence[tuple[Path, Mapping[str, str] | None]], *,
             o if o == n else f"{o}={n}" for o, n in names.items())))
         cfg = smeta.get("config", {})
         meta["config"] = {**cfg, **meta.get("config", {})}
+    if not merged["results"]:
+        raise ConfigError(f"merge: no cell selected from {len(sources)} store(s)"
+                          + (f" for tasks {list(tasks)}" if tasks else ""))
     used_texts = {e["text"] for e in merged["results"].values()}
     meta["texts"] = {n: v for n, v in meta.get("texts", {}).items() if n in used_texts}
     meta["config"].update(trials="/".join(map(str, sorted(t for t in trials if t is not None))) or None,

@@ -303,17 +303,19 @@ def test_merge_stores_selects_renames_and_refuses_disagreeing_cells(tiny, tmp_pa
     del merged["results"]["exact@0.5/alpha/passkey@448"]  # a row without a task: the table says so
     assert "ran different task sets" in S.table_markdown(merged)
     summary = [(r.method, r.budget) for r in S.summarize(merged) if r.context is None]
+    assert summary == [("full", 1.0), ("exact", 0.5), ("default", 0.5)]  # reference, then by budget
     ppl_only = {**merged, "results": {k: v for k, v in merged["results"].items() if v["task"] == "perplexity"}}
     for block in S.table_markdown(ppl_only).split("\n\n"):  # every row as wide as its header
         rows = [line for line in block.splitlines() if line.startswith("|")]
         assert len({line.count("|") for line in rows}) <= 1, block
-    assert summary == [("full", 1.0), ("exact", 0.5), ("default", 0.5)]  # reference, then by budget
     # the same cell, different figures: refused, naming the cell; a selection resolves it
     with pytest.raises(ConfigError, match="cell default@0.5/alpha/perplexity@448 differs between"):
         S.merge_stores([S.parse_source(str(a)), S.parse_source(str(b))])
     assert len(S.merge_stores([S.parse_source(f"{a}:full"), S.parse_source(str(b))])["results"]) == 4
     only = S.merge_stores([S.parse_source(str(a))], tasks=["perplexity"])["results"]
     assert {e["task"] for e in only.values()} == {"perplexity"} and len(only) == 2
+    with pytest.raises(ConfigError, match=r"no cell selected from 1 store\(s\) for tasks \['numbers'\]"):
+        S.merge_stores([S.parse_source(str(a))], tasks=["numbers"])  # nothing left: refused, no empty table
     with pytest.raises(ConfigError, match=r"no method \['nope'\]"):
         S.merge_stores([S.parse_source(f"{a}:nope")])
     with pytest.raises(ConfigError, match="expected DIR:METHOD"):
@@ -375,6 +377,8 @@ def test_command_errors_are_one_line(tmp_path, eval_suite_tool, capsys):
     assert eval_suite_tool.main(["--methods", "tiered:bogus=1", "--out", str(tmp_path)]) == 2
     assert "error: " in capsys.readouterr().err
     assert eval_suite_tool.main(["--report-only", "--out", str(tmp_path)]) == 2
+    assert eval_suite_tool.main(["--merge", str(tmp_path / "none"), "--out", str(tmp_path / "m")]) == 2
+    assert "no such results file" in capsys.readouterr().err and not (tmp_path / "m").exists()
     assert eval_suite_tool.main(["--texts", "nope", "--contexts", "1024", "--out", str(tmp_path),
                                  "--model", "/nonexistent.gguf"]) == 2
 
