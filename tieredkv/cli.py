@@ -95,8 +95,10 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
                    help="compress cold device pages with this KV codec (fp8, fp8-r2, int6-r2, int4, int4-g16, "
                         "int2, fp8-r2-delta; docs/codec.md) in a warm share of the device budget; default (and "
                         "bare): int4, the measured choice; off: no warm tier")
-    g.add_argument("--warm-fraction", type=float, default=None,
-                   help="share of the device budget beyond T0 that holds compressed pages (default 0.75)")
+    g.add_argument("--warm-fraction", type=lambda v: v if v == "auto" else float(v), default=None,
+                   help="share of the device budget beyond T0 that holds compressed pages, or auto (the "
+                        "default): the least share with which the whole work fits on the device, all of it "
+                        "when it does not")
     g.add_argument("--kv-dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="dtype the tiered cache stores pages in (default: the model's)")
     g.add_argument("--prefetch", nargs="?", const="default", default=None, metavar="PREDICTOR",

@@ -299,21 +299,33 @@ class SelectionConfig(_Settings):
     dense_layers: int = setting(0, _integer(0, 1 << 10))
 
 
+def _warm_fraction(v: Any) -> float | str:
+    if v == "auto":
+        return v
+    try:
+        return _number(0.0, 1.0, open_low=True)(v)
+    except ValueError:
+        raise ValueError(f"must be 'auto' or a number in (0, 1], got {short(v)}") from None
+
+
 @dataclass(frozen=True)
 class WarmConfig(_Settings):
     """The warm sub-tier of T2: with a ``codec`` (a name of ``tieredkv.plugins.codec.CODECS``;
     ``"default"`` is ``codec.DEFAULT_CODEC``, int4, the default; ``"off"`` or None: no warm
     tier) and a device budget, ``fraction`` of the resident bytes beyond T0's reservation hold
     pages encoded with the codec; cold pages (the replacement policy's victims, pages demoted
-    at window boundaries) are compressed into it instead of leaving the device (default share
-    0.75: the measured end-to-end setting, docs/benchmarks.md §3). On by default since the
-    evaluation suite chose it (docs/benchmarks.md §7: at 25 % and 12.5 % it beats the warm-less
-    cache on every held-out text in the same device bytes, with no more host traffic); without
-    a device budget nothing is compressed."""
+    at window boundaries) are compressed into it instead of leaving the device. ``"auto"``
+    (the default) gives the warm tier the smallest share with which the exact and the
+    compressed pages together hold the whole work (``full_tokens`` x ``num_sequences``), and
+    all of it when the work is larger than that or its size unknown: nothing is compressed that
+    fits exact, and nothing leaves the device that fits compressed (chosen by the evaluation
+    suite, docs/benchmarks.md §7). On by default since the suite chose it (at 25 % and 12.5 %
+    it beats the warm-less cache on every held-out text in the same device bytes, with no more
+    host traffic); without a device budget nothing is compressed."""
 
     table: ClassVar[str] = "warm"
     codec: str | None = setting("int4", _choice(_codecs, optional=True, aliases=_codec_aliases), flat="warm_codec")
-    fraction: float = setting(0.75, _number(0.0, 1.0, open_low=True), flat="warm_fraction")
+    fraction: float | str = setting("auto", _warm_fraction, flat="warm_fraction")
 
 
 def _predictors() -> Mapping[str, Any]:
@@ -602,8 +614,13 @@ def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_
             raise ValueError("internal: warm_codec set but warm_page_bytes not given")
         # T0 (+ the page being allocated) stays full precision; warm_fraction of the rest is compressed
         spare = device_pages - staging - (config.t0_pages * num_sequences + 1)
-        warm_given = round(config.warm.fraction * spare)
-        warm_pages = warm_given * token_bytes_per_layer * P // warm_page_bytes
+        per_given = token_bytes_per_layer * P  # warm bytes one full-precision page gives
+        if config.warm.fraction == "auto":
+            warm_given = _auto_warm_given(spare, device_pages - staging, per_given, warm_page_bytes,
+                                          None if full_tokens is None else -(-full_tokens // P) * num_sequences)
+        else:
+            warm_given = round(config.warm.fraction * spare)
+        warm_pages = warm_given * per_given // warm_page_bytes
         if att is None:
             attention_pages = (device_pages - staging - warm_given + warm_pages) // num_sequences
     page_bytes_all_layers = tok_all * P
@@ -614,6 +631,23 @@ def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_
                               f"{physical_memory() / 2**30:.1f} GiB of memory: expected a budget that fits")
     hot = 0 if device_pages is None else int(config.budgets.hot_key_fraction * (device_pages - staging - warm_given))
     return ResolvedBudgets(device_pages, host_pages, attention_pages, hot, staging, warm_pages, warm_given)
+
+
+def _auto_warm_given(spare: int, owned: int, per_given: int, warm_page_bytes: int, need: int | None) -> int:
+    """``warm_fraction = "auto"``: the fewest full-precision pages (of ``spare``) whose bytes,
+    holding compressed pages, make the ``owned`` device pages hold ``need`` pages in all;
+    ``spare`` when even all of them do not (or ``need`` is unknown)."""
+    if per_given <= warm_page_bytes:  # the codec saves nothing on these pages
+        return 0
+    if need is None:
+        return max(spare, 0)
+    # owned - g + floor(g * per_given / warm_page_bytes) >= need; the closed form, then exact
+    g = max(0, -(-(need - owned) * warm_page_bytes // (per_given - warm_page_bytes)))
+    while g > 0 and owned - (g - 1) + (g - 1) * per_given // warm_page_bytes >= need:
+        g -= 1
+    while g <= spare and owned - g + g * per_given // warm_page_bytes < need:
+        g += 1
+    return max(0, min(g, spare))
 
 
 def physical_memory() -> int:

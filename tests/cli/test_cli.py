@@ -110,7 +110,7 @@ def test_generate_warm_codec_flags(tiny_gguf, capsys):
     assert main(["generate", "--model", tiny_gguf, "--prompt", "the cat sat " * 40, "--max-new-tokens", "2",
                  "--kv-budget", "60%", "--page-size", "8", "--warm-codec", "--json"]) == 0
     d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert d["kv_config"]["warm"] == {"codec": "int4", "fraction": 0.75}
+    assert d["kv_config"]["warm"] == {"codec": "int4", "fraction": "auto"}
 
 
 def test_kv_config_file_and_errors(tiny_gguf, tmp_path, capsys):

@@ -5,13 +5,14 @@ turn hot, every byte accounted."""
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from helpers import tiny_model
 from tieredkv.models.llama import prefill
-from tieredkv.plugins.codec import CODECS, decode_pages, encode_pages
+from tieredkv.plugins.codec import CODECS, decode_pages, encode_pages, page_bytes
 from tieredkv.runtime.paged import PagedKVCache
 from tieredkv.runtime.tiered.cache import TieredKVCache
-from tieredkv.runtime.tiered.config import TieredKVConfig
+from tieredkv.runtime.tiered.config import TieredKVConfig, resolve_budgets
 
 SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2)
 MODEL = tiny_model(seed=3)
@@ -109,6 +110,58 @@ def test_warm_fraction_one_compresses_everything_but_t0():
     # the full-precision region is only T0's reservation (+ the page being allocated)
     assert cache.budgets.resident_pages == cache.config.t0_pages + 1
     assert counts["T0"] + counts["T1"] + counts["T2"] <= cache.budgets.resident_pages * L
+
+
+@settings(max_examples=200, deadline=None)
+@given(budget=st.integers(20, 400), full=st.integers(1, 600), seqs=st.integers(1, 3),
+       codec=st.sampled_from(sorted(CODECS)), dtype=st.sampled_from(["float32", "float16"]))
+def test_auto_warm_fraction_is_the_least_share_that_holds_the_work(budget, full, seqs, codec, dtype):
+    """warm_fraction="auto": the warm tier takes the fewest device pages with which the exact
+    and the compressed pages hold every page of the work; all the spare ones when even that
+    is not enough; none when the work fits exact. Never more than a fixed fraction of 1."""
+    spec = MODEL.kv_spec()
+    tok = spec.token_bytes_per_layer // (2 if dtype == "float16" else 1)
+    wpb = page_bytes(CODECS[codec], spec.num_kv_heads, SMALL["page_size"], spec.head_dim)
+
+    def resolve(fraction):
+        cfg = TieredKVConfig(device_budget=budget * seqs, warm_codec=codec, warm_fraction=fraction, **SMALL)
+        try:
+            return resolve_budgets(cfg, num_layers=L, token_bytes_per_layer=tok, full_tokens=full,
+                                   num_sequences=seqs, warm_page_bytes=wpb)
+        except Exception:
+            return None
+    auto, one = resolve("auto"), resolve(1.0)
+    if one is None:
+        assert auto is None  # too small for the hot window either way
+        return
+    if tok * SMALL["page_size"] <= wpb:  # the codec saves nothing on these pages: it gets none
+        assert auto.warm_given == 0
+        return
+    need = -(-full // SMALL["page_size"]) * seqs
+    held = auto.resident_pages + auto.warm_pages
+    assert auto.warm_given <= one.warm_given
+    if auto.warm_given < one.warm_given:
+        assert held >= need  # it holds the work ...
+        if auto.warm_given:  # ... and one page fewer given to the warm tier would not
+            fewer = auto.resident_pages + 1 + (auto.warm_given - 1) * tok * SMALL["page_size"] // wpb
+            assert fewer < need
+    else:
+        assert auto == one
+    if one.resident_pages + one.warm_pages >= need and auto.resident_pages + 0 >= need:
+        assert auto.warm_given == 0
+
+
+def test_auto_is_the_default_and_compresses_nothing_that_fits_exact():
+    assert TieredKVConfig().warm.fraction == "auto"
+    roomy = warm_cache(budget=320, fraction="auto", full_tokens=200)  # the whole work fits exact
+    assert roomy.budgets.warm_given == 0 and roomy.budgets.warm_pages == 0
+    sid = roomy.add_sequence()
+    prefill(MODEL, roomy, sid, torch.arange(200) % 500, chunk_size=32)
+    assert roomy.mgr.metrics.compressed_pages == 0 and roomy.mgr.tier_counts()["T3"] == 0
+    tight = warm_cache(budget="30%", fraction="auto", full_tokens=240)  # not even all-int4 holds it
+    assert tight.budgets == warm_cache(budget="30%", fraction=1.0, full_tokens=240).budgets
+    middle = warm_cache(budget="75%", fraction="auto", full_tokens=240)
+    assert 0 < middle.budgets.warm_given < warm_cache(budget="75%", fraction=1.0, full_tokens=240).budgets.warm_given
 
 
 def test_float16_storage_halves_the_bytes_and_stays_close():
