@@ -193,3 +193,19 @@ def test_keeping_decoded_warm_pages_changes_nothing():
         assert cache.metrics.warm_reads > 0
         outs.append(torch.cat(logits))
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("budget", ["25%", "12.5%"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_auto_resolves_like_fraction_one_where_the_suite_measured_it(budget, dtype):
+    """docs/benchmarks.md §7 reports the warm_fraction=1 runs at 25 % and 12.5 % of a 2k
+    SmolLM2-135M context as the "auto" default's: there the two resolve to the same budgets."""
+    from tieredkv.models.cache import KVSpec
+
+    spec = KVSpec(num_layers=30, num_kv_heads=3, head_dim=64, dtype=dtype)
+    wpb = page_bytes(CODECS["int4"], 3, 16, 64)
+    for full in range(1900, 2200, 7):  # the suite's prompts: about 2048 tokens, answer included
+        auto, one = (resolve_budgets(TieredKVConfig(device_budget=budget, warm_fraction=f), num_layers=30,
+                                     token_bytes_per_layer=spec.token_bytes_per_layer, full_tokens=full,
+                                     warm_page_bytes=wpb) for f in ("auto", 1.0))
+        assert auto == one, full
