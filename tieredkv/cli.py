@@ -76,6 +76,14 @@ def _load_model(args: argparse.Namespace):
     return loaded
 
 
+def _auto_or_number(v: str) -> str | float:
+    """``auto`` or a number (argparse names this function in its error: 'invalid auto-or-number value')."""
+    return v if v == "auto" else float(v)
+
+
+_auto_or_number.__name__ = "auto-or-number"
+
+
 def _add_kv_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tiered KV cache (any of these switches from the plain paged cache to the tiered one)")
     g.add_argument("--kv-budget", default=None,
@@ -95,7 +103,7 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
                    help="compress cold device pages with this KV codec (fp8, fp8-r2, int6-r2, int4, int4-g16, "
                         "int2, fp8-r2-delta; docs/codec.md) in a warm share of the device budget; default (and "
                         "bare): int4, the measured choice; off: no warm tier")
-    g.add_argument("--warm-fraction", type=lambda v: v if v == "auto" else float(v), default=None,
+    g.add_argument("--warm-fraction", type=_auto_or_number, default=None,
                    help="share of the device budget beyond T0 that holds compressed pages, or auto (the "
                         "default): the least share with which the whole work fits on the device, all of it "
                         "when it does not")

@@ -111,6 +111,12 @@ def test_generate_warm_codec_flags(tiny_gguf, capsys):
                  "--kv-budget", "60%", "--page-size", "8", "--warm-codec", "--json"]) == 0
     d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert d["kv_config"]["warm"] == {"codec": "int4", "fraction": "auto"}
+    assert main(["generate", "--model", tiny_gguf, "--prompt", "x", "--max-new-tokens", "1",
+                 "--warm-fraction", "auto", "--json"]) == 0
+    assert last_json(capsys)["kv_config"]["warm"]["fraction"] == "auto"
+    with pytest.raises(SystemExit) as exc:  # argparse: a usage error names what it expects
+        main(["generate", "--model", tiny_gguf, "--prompt", "x", "--warm-fraction", "most"])
+    assert exc.value.code == 2 and "invalid auto-or-number value: 'most'" in capsys.readouterr().err
 
 
 def test_kv_config_file_and_errors(tiny_gguf, tmp_path, capsys):
