@@ -76,12 +76,13 @@ def _load_model(args: argparse.Namespace):
     return loaded
 
 
-def _auto_or_number(v: str) -> str | float:
-    """``auto`` or a number (argparse names this function in its error: 'invalid auto-or-number value')."""
-    return v if v == "auto" else float(v)
-
-
-_auto_or_number.__name__ = "auto-or-number"
+def _auto_or(convert, what: str):
+    """An argparse type: ``auto`` or ``convert(value)``; argparse's error names it
+    ('invalid auto-or-<what> value')."""
+    def parse(v: str):
+        return v if v == "auto" else convert(v)
+    parse.__name__ = f"auto-or-{what}"
+    return parse
 
 
 def _add_kv_args(p: argparse.ArgumentParser) -> None:
@@ -103,7 +104,7 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
                    help="compress cold device pages with this KV codec (fp8, fp8-r2, int6-r2, int4, int4-g16, "
                         "int2, fp8-r2-delta; docs/codec.md) in a warm share of the device budget; default (and "
                         "bare): int4, the measured choice; off: no warm tier")
-    g.add_argument("--warm-fraction", type=_auto_or_number, default=None,
+    g.add_argument("--warm-fraction", type=_auto_or(float, "number"), default=None,
                    help="share of the device budget beyond T0 that holds compressed pages, or auto (the "
                         "default): the least share with which the whole work fits on the device, all of it "
                         "when it does not")
@@ -112,7 +113,7 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefetch", nargs="?", const="default", default=None, metavar="PREDICTOR",
                    help="prefetch predicted pages after every decode step: last, vote, recency, quest-next-layer, "
                         "gru (docs/prefetch.md); bare: last, the measured winner; default off")
-    g.add_argument("--prefetch-distance", default=None, type=lambda v: v if v == "auto" else int(v),
+    g.add_argument("--prefetch-distance", default=None, type=_auto_or(int, "integer"),
                    help="decode steps ahead to predict: 'auto' (2-5, default) or a number")
     g.add_argument("--access-log", default=None, metavar="DIR",
                    help="write every sequence's access log (pages selected, attention mass, tiers) to DIR")

@@ -641,13 +641,14 @@ def _auto_warm_given(spare: int, owned: int, per_given: int, warm_page_bytes: in
         return 0
     if need is None:
         return max(spare, 0)
-    # owned - g + floor(g * per_given / warm_page_bytes) >= need; the closed form, then exact
+    def held(g: int) -> int:  # pages the device holds with g slots' bytes given to the warm tier (grows with g)
+        return owned - g + g * per_given // warm_page_bytes
+
+    # held(g) >= need implies g >= the closed form below (the floor only lowers held): start there
     g = max(0, -(-(need - owned) * warm_page_bytes // (per_given - warm_page_bytes)))
-    while g > 0 and owned - (g - 1) + (g - 1) * per_given // warm_page_bytes >= need:
-        g -= 1
-    while g <= spare and owned - g + g * per_given // warm_page_bytes < need:
+    while g < spare and held(g) < need:
         g += 1
-    return max(0, min(g, spare))
+    return min(g, spare)
 
 
 def physical_memory() -> int:
