@@ -108,6 +108,10 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
                    help="share of the device budget beyond T0 that holds compressed pages, or auto (the "
                         "default): the least share with which the whole work fits on the device, all of it "
                         "when it does not")
+    g.add_argument("--warm-exact-reads", type=_auto_or(int, "integer"), default=None, metavar="N",
+                   help="per layer and decode step, read the N warm pages the step ranks highest from their exact "
+                        "host copy instead of decoding them; auto (the default): 4 in exact mode, 0 in masked mode "
+                        "(PyTorch backend only)")
     g.add_argument("--kv-dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="dtype the tiered cache stores pages in (default: the model's)")
     g.add_argument("--prefetch", nargs="?", const="default", default=None, metavar="PREDICTOR",

@@ -184,7 +184,8 @@ def tiered_method(model: Llama, config, *, name: str | None = None, prefill_chun
             "mode": config.selection.mode, "attention_budget": str(config.budgets.attention or "device"),
             "kv_bytes_per_token": stored.token_bytes_per_layer * stored.num_layers}
     if config.warm.codec:
-        info.update(warm_codec=config.warm.codec, warm_fraction=config.warm.fraction)
+        info.update(warm_codec=config.warm.codec, warm_fraction=config.warm.fraction,
+                    warm_exact_reads=config.warm.reads_exact(config.selection.mode))
     if config.kv_dtype:
         info["kv_dtype"] = config.kv_dtype
     if config.selection.aggregate != "share":

@@ -234,11 +234,12 @@ class TieredKVCache(KVCache):
             heads = self._select(layer, seq, score) if decode else torch.ones_like(seq.t0)
             selected = heads if heads.dim() == 1 else heads.any(0)  # kv-head selection: a page any head needs
             attended = self.mgr.attended(layer, seq, selected, decode=decode)
+            exact = self._exact_reads(layer, seq, attended, score) if decode else None
             t_attend = time.perf_counter()
             out, mass = self._attend_pages(layer, q[b : b + 1], seq, attended,
-                                           heads=None if heads.dim() == 1 else heads & attended)
+                                           heads=None if heads.dim() == 1 else heads & attended, exact=exact)
             self.record(layer, seq, decode=decode, selected=selected, attended=attended, relevance=rel, mass=mass,
-                        saliency=saliency)
+                        saliency=saliency, exact=exact)
             outs.append(out)
             m.scorer_seconds += t_select - t_score
             m.select_seconds += t_attend - t_select
@@ -295,8 +296,29 @@ class TieredKVCache(KVCache):
         picked = select_pages(rows, valid, t0, torch.full((len(rows),), budget))
         return picked.reshape(score.shape)
 
+    def _exact_reads(self, layer: int, seq: SeqStep, attended: torch.Tensor, score: torch.Tensor
+                     ) -> torch.Tensor | None:
+        """``warm.exact_reads``: of the attended warm pages, the that many ranked highest by the
+        step's selection ``score`` ([M], or [KVH, M]: a page's best head) — read from their
+        exact copy off the device instead of decoded [M] bool; None when there are none."""
+        n = self.config.warm.reads_exact(self.config.selection.mode)
+        if not n or self.mgr.warm is None:
+            return None
+        t = self.mgr.table
+        warm = attended & (t.device_slot[layer, seq.rows] < 0) & (t.warm_slot[layer, seq.rows] >= 0)
+        if not bool(warm.any()):
+            return None
+        cand = warm.nonzero().flatten()
+        if len(cand) > n:  # the n ranked highest (a page's best head under the kv-head selection)
+            rank = (score if score.dim() == 1 else score.amax(0))[cand].float().nan_to_num(nan=float("-inf"))
+            cand = cand[rank.topk(n).indices]
+        exact = torch.zeros_like(warm)
+        exact[cand] = True
+        return exact
+
     def _attend_pages(self, layer: int, q: torch.Tensor, seq: SeqStep, attended: torch.Tensor, *,
-                      heads: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      heads: torch.Tensor | None = None, exact: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """TieredAttention of q [1, H, T, D] over the ``attended`` pages of one sequence, read by
         the manager from whichever tier holds them (warm pages decoded, off-device pages copied
         from the host or disk); ``heads`` [KVH, M]: the pages each kv head attends (the kv-head
@@ -304,7 +326,8 @@ class TieredKVCache(KVCache):
         per page [M] — mean over the query heads —, 0 where not attended)."""
         sub = attended.nonzero().flatten()
         n = len(sub)
-        k, v = self.mgr.read_pages(layer, seq.recs.index_select(0, sub), q.dtype)
+        k, v = self.mgr.read_pages(layer, seq.recs.index_select(0, sub), q.dtype,
+                                   exact=False if exact is None else exact[sub])
         dev = q.device  # attention runs where the model does; the page bookkeeping on the host
         mask = torch.ones(1, n, dtype=torch.bool, device=dev) if heads is None else heads[:, sub].unsqueeze(0).to(dev)
         # pages stay in logical order whatever their residency: the arithmetic is identical
@@ -316,7 +339,8 @@ class TieredKVCache(KVCache):
         return out, mass
 
     def record(self, layer: int, seq: SeqStep, *, decode: bool, selected: torch.Tensor, attended: torch.Tensor,
-               relevance: torch.Tensor, mass: torch.Tensor, saliency: torch.Tensor | None = None) -> None:
+               relevance: torch.Tensor, mass: torch.Tensor, saliency: torch.Tensor | None = None,
+               exact: torch.Tensor | None = None) -> None:
         """What the step did with one sequence's pages in one layer, for the manager: the
         selection, what was attended, and the importance kept between steps — the observed
         attention share where the page was attended (normalized so the top page is 1), the
@@ -330,7 +354,7 @@ class TieredKVCache(KVCache):
         importance = mix(self.config.migration.score_weights, relevance,
                          position_value(seq.distance, self.scorer.position[layer]), saliency)
         self.mgr.record_access(layer, seq, decode=decode, selected=selected, attended=attended, importance=importance,
-                               mass=mass)
+                               mass=mass, exact=exact)
 
     def end_step(self, step: Step) -> None:
         decode = step.num_new == 1

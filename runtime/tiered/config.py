@@ -308,6 +308,21 @@ def _warm_fraction(v: Any) -> float | str:
         raise ValueError(f"must be 'auto' or a number in (0, 1], got {short(v)}") from None
 
 
+#: ``warm.exact_reads = "auto"`` in exact mode: chosen by the evaluation suite (docs/benchmarks.md
+#: §7: at 25 % of a 2k context the worst held-out text's perplexity gap falls from +1.7 % to
+#: +0.4 % for 4 pages x layers of host reads per token)
+AUTO_EXACT_READS = 4
+
+
+def _exact_reads(v: Any) -> int | str:
+    if v == "auto":
+        return v
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1 << 10:
+        raise ValueError(f"must be 'auto' or an integer in [0, 1024] (warm pages per layer and decode step), "
+                         f"got {short(v)}")
+    return v
+
+
 @dataclass(frozen=True)
 class WarmConfig(_Settings):
     """The warm sub-tier of T2: with a ``codec`` (a name of ``tieredkv.plugins.codec.CODECS``;
@@ -321,11 +336,28 @@ class WarmConfig(_Settings):
     fits exact, and nothing leaves the device that fits compressed (chosen by the evaluation
     suite, docs/benchmarks.md §7). On by default since the suite chose it (at 25 % and 12.5 %
     it beats the warm-less cache on every held-out text in the same device bytes, with no more
-    host traffic); without a device budget nothing is compressed."""
+    host traffic); without a device budget nothing is compressed.
+
+    ``exact_reads``: in a decode step, the that many attended warm pages of each layer that the
+    step's selection ranks highest are read from their exact copy off the device (every warm
+    page keeps one on the host or disk) instead of decoded — the codec's error removed where
+    the attention is, for that many pages x layers of host-to-device bytes per token (counted in
+    ``bytes_h2d``). ``"auto"`` (the default): :data:`AUTO_EXACT_READS` in exact mode, 0 in
+    masked mode. PyTorch backend only: an engine's selection runs inside its graph, which reads
+    every warm page through the codec (``"auto"`` is 0 there; a number is an error)."""
 
     table: ClassVar[str] = "warm"
     codec: str | None = setting("int4", _choice(_codecs, optional=True, aliases=_codec_aliases), flat="warm_codec")
     fraction: float | str = setting("auto", _warm_fraction, flat="warm_fraction")
+    exact_reads: int | str = setting("auto", _exact_reads, flat="warm_exact_reads")
+
+    def reads_exact(self, mode: str) -> int:
+        """Warm pages per layer a decode step reads exact (``exact_reads`` resolved for the
+        selection ``mode``: ``"auto"`` is :data:`AUTO_EXACT_READS` in exact mode, none in masked
+        mode, which fetches nothing during a step)."""
+        if self.exact_reads != "auto":
+            return self.exact_reads
+        return AUTO_EXACT_READS if mode == "exact" else 0
 
 
 def _predictors() -> Mapping[str, Any]:

@@ -418,7 +418,7 @@ class TierManager:
         return selected & (self.resident(layer, seq.rows) | self.table.staged[layer, seq.rows])
 
     def read_pages(self, layers: int | torch.Tensor, recs: torch.Tensor, dtype: torch.dtype, *,
-                   exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   exact: bool | torch.Tensor = False) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [N, KVH, P, D] of pages (``layers``, ``recs``) in ``dtype``, from whichever tier
         holds them: the device pool, the warm pool decoded (``exact``: their host / disk copy
         instead), else the host or disk copy. Counts nothing: :meth:`record_access` and
@@ -437,7 +437,8 @@ class TierManager:
         k = torch.empty((len(recs), self.kv_heads, self.P, self.head_dim), dtype=dtype, device=dev)
         v = torch.empty_like(k)
         dslot, wslot, hslot = t.device_slot[layers, recs], t.warm_slot[layers, recs], t.host_slot[layers, recs]
-        full, warm = dslot >= 0, (dslot < 0) & (wslot >= 0) & (not exact)
+        full = dslot >= 0
+        warm = ~full & (wslot >= 0) & ~(exact if isinstance(exact, torch.Tensor) else torch.tensor(exact))
         on_host = ~full & ~warm & (hslot >= 0)
         on_disk = ~full & ~warm & ~on_host
         for where, read, slots, copy in ((full, self.device.read, dslot, False),
@@ -460,7 +461,8 @@ class TierManager:
         return k, v
 
     def record_access(self, layer: int | slice, seq: SeqStep, *, decode: bool, selected: torch.Tensor,
-                      attended: torch.Tensor, importance: torch.Tensor, mass: torch.Tensor) -> None:
+                      attended: torch.Tensor, importance: torch.Tensor, mass: torch.Tensor,
+                      exact: torch.Tensor | None = None) -> None:
         """What the step did with one sequence's pages in ``layer`` (a layer [M], or every layer
         at once with ``slice(None)`` and [L, M] tensors): the pages it needed and missed (decode;
         T0 excluded), masked misses, the pages streamed through the staging area, the attention
@@ -483,6 +485,9 @@ class TierManager:
         acc.scored[layer, rows] = True
         off = attended & (t.device_slot[layer, rows] < 0)
         warm = off & (t.warm_slot[layer, rows] >= 0)
+        if exact is not None:  # warm pages read from their exact copy (warm.exact_reads) are streamed
+            warm = warm & ~exact
+            acc.streamed[layer, rows] |= exact
         streamed = off & ~warm & ~staged
         m.warm_reads += int(warm.sum())
         per_layer = streamed.sum(-1)

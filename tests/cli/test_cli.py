@@ -110,10 +110,13 @@ def test_generate_warm_codec_flags(tiny_gguf, capsys):
     assert main(["generate", "--model", tiny_gguf, "--prompt", "the cat sat " * 40, "--max-new-tokens", "2",
                  "--kv-budget", "60%", "--page-size", "8", "--warm-codec", "--json"]) == 0
     d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert d["kv_config"]["warm"] == {"codec": "int4", "fraction": "auto"}
+    assert d["kv_config"]["warm"] == {"codec": "int4", "fraction": "auto", "exact_reads": "auto"}
     assert main(["generate", "--model", tiny_gguf, "--prompt", "x", "--max-new-tokens", "1",
-                 "--warm-fraction", "auto", "--json"]) == 0
-    assert last_json(capsys)["kv_config"]["warm"]["fraction"] == "auto"
+                 "--warm-fraction", "auto", "--warm-exact-reads", "2", "--json"]) == 0
+    assert last_json(capsys)["kv_config"]["warm"] == {"codec": "int4", "fraction": "auto", "exact_reads": 2}
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--model", tiny_gguf, "--prompt", "x", "--warm-exact-reads", "lots"])
+    assert exc.value.code == 2 and "invalid auto-or-integer value: 'lots'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:  # argparse: a usage error names what it expects
         main(["generate", "--model", tiny_gguf, "--prompt", "x", "--warm-fraction", "most"])
     assert exc.value.code == 2 and "invalid auto-or-number value: 'most'" in capsys.readouterr().err

@@ -70,10 +70,12 @@ def run(model, kv: TieredKVConfig, ids: list[list[int]], *, new_tokens: int = 20
 
 
 @pytest.mark.parametrize("kv", [
+    # warm_exact_reads=0 where the default warm tier is on: what "auto" is under an engine (its graph
+    # reads every warm page through the codec); the PyTorch backend reads the top-ranked ones exact
     TieredKVConfig(page_size=PAGE),
-    TieredKVConfig(**TIGHT, mode="exact"),
+    TieredKVConfig(**TIGHT, mode="exact", warm_exact_reads=0),
     TieredKVConfig(**TIGHT, mode="masked", policy="lru"),
-    TieredKVConfig(**TIGHT, mode="exact", warm_codec="int4", warm_fraction=0.5),
+    TieredKVConfig(**TIGHT, mode="exact", warm_codec="int4", warm_fraction=0.5, warm_exact_reads=0),
 ], ids=["unlimited", "exact-budget", "masked-budget", "warm-int4"])
 def test_greedy_tokens_and_tier_decisions_equal_the_torch_backend(torch_model, backend, kv):
     ids = prompts(70, 33)  # prefill in chunks of 16 under the budget, then decode past it
@@ -96,9 +98,9 @@ def warm_backend(built, tmp_path_factory):
 
 
 @pytest.mark.parametrize("kv", [
-    TieredKVConfig(**TIGHT, mode="exact", warm_codec="int4", warm_fraction=0.5),
+    TieredKVConfig(**TIGHT, mode="exact", warm_codec="int4", warm_fraction=0.5, warm_exact_reads=0),
     TieredKVConfig(**TIGHT, mode="masked", policy="lfu-importance", warm_codec="int4", warm_fraction=0.75),
-    TieredKVConfig(**TIGHT, mode="exact"),  # no warm tier: the graph gets empty warm pools
+    TieredKVConfig(**TIGHT, mode="exact", warm_exact_reads=0),  # no warm tier: the graph gets empty warm pools
 ], ids=["exact-warm", "masked-warm", "no-warm-tier"])
 def test_warm_engine_equals_the_torch_backend(torch_model, warm_backend, kv):
     """The graph decodes warm pages itself (no staging of decoded copies): same tokens and the
@@ -175,6 +177,8 @@ def test_mismatched_cache_configs_are_refused(backend):
         run(backend, TieredKVConfig(page_size=PAGE, selection_aggregate="kv-head"), ids)
     with pytest.raises(ConfigError, match="dense_layers = 2 runs in the PyTorch backend only"):
         run(backend, TieredKVConfig(page_size=PAGE, dense_layers=2), ids)
+    with pytest.raises(ConfigError, match="warm_exact_reads = 3 runs in the PyTorch backend only"):
+        run(backend, TieredKVConfig(page_size=PAGE, warm_exact_reads=3), ids)
     with pytest.raises(ConfigError, match="tiered KV cache"):
         LLM.from_model(backend, None, prefill_chunk=16).generate(ids, SamplingParams(max_new_tokens=2))
 
@@ -258,7 +262,8 @@ def test_cli_eval_perplexity_with_engine_equals_the_model(built, tmp_path, capsy
     common = ["eval", "perplexity", "--text-file", str(text), "--window", "256", "--max-windows", "2", "--json"]
     values = []
     for extra in (["--engine", str(built[1]), "--kv-budget", "50%", "--mode", "exact"],
-                  ["--model", str(built[0]), "--page-size", str(PAGE), "--kv-budget", "50%", "--mode", "exact"]):
+                  ["--model", str(built[0]), "--page-size", str(PAGE), "--kv-budget", "50%", "--mode", "exact",
+                   "--warm-exact-reads", "0"]):  # what 'auto' is under an engine
         assert main(common + extra) == 0
         values.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["perplexity"])
     assert values[0] == pytest.approx(values[1], rel=1e-5)
@@ -272,7 +277,7 @@ def test_cli_eval_passkey_with_engine_equals_the_model(built, tmp_path, capsys):
     text = tmp_path / "hay.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
     kv = tmp_path / "kv.toml"
-    kv.write_text('mode = "exact"\ndevice_budget = "50%"\n')
+    kv.write_text('mode = "exact"\ndevice_budget = "50%"\n[warm]\nexact_reads = 0\n')  # 'auto' under an engine
     common = ["eval", "passkey", "--haystack-file", str(text), "--context", "300", "--trials", "2", "--json"]
     results = []
     for extra in (["--engine", str(built[1]), "--kv-config", str(kv)],

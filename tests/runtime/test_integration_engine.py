@@ -40,11 +40,12 @@ def prompts(smollm, pg_ids):
     return [pg_ids[1000:1600], chat]
 
 
-@pytest.mark.parametrize("kv", [
+@pytest.mark.parametrize("kv", [  # warm_exact_reads=0 in exact mode: what 'auto' is under an engine
     TieredKVConfig(),
-    TieredKVConfig(device_budget="25%", mode="exact"),
+    TieredKVConfig(device_budget="25%", mode="exact", warm_exact_reads=0),
     TieredKVConfig(device_budget="25%", mode="masked"),
-    TieredKVConfig(device_budget="25%", mode="exact", kv_dtype="float16", warm_codec="int4", warm_fraction=0.75),
+    TieredKVConfig(device_budget="25%", mode="exact", kv_dtype="float16", warm_codec="int4", warm_fraction=0.75,
+                   warm_exact_reads=0),
 ], ids=["full", "25%-exact", "25%-masked", "25%-exact-warm-int4"])
 def test_onnxruntime_greedy_equals_torch(smollm, engine, prompts, kv):
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)

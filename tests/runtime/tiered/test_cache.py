@@ -455,10 +455,10 @@ def test_kv_head_selection(ref_tokens):
     seen = []
     inner = cache._attend_pages
 
-    def spy(layer, q, seq, attended, *, heads=None):
+    def spy(layer, q, seq, attended, *, heads=None, **kw):
         if heads is not None:  # decode steps (prefill attends every page with every head)
             seen.append((attended.clone(), heads.clone(), seq.t0.clone()))
-        return inner(layer, q, seq, attended, heads=heads)
+        return inner(layer, q, seq, attended, heads=heads, **kw)
 
     cache._attend_pages = spy
     tokens = torch.randint(0, 512, (180,), generator=torch.Generator().manual_seed(4))

@@ -210,3 +210,72 @@ def test_auto_resolves_like_fraction_one_where_the_suite_measured_it(budget, dty
                                      token_bytes_per_layer=spec.token_bytes_per_layer, full_tokens=full,
                                      warm_page_bytes=wpb) for f in ("auto", 1.0))
         assert auto == one, full
+
+
+def test_exact_reads_of_every_warm_page_equal_the_full_cache():
+    """warm_exact_reads covering every warm page, every page attended: each decode step reads
+    its warm pages from their exact copies, so the logits are the paged cache's; read through
+    the codec instead (0) they are not (int4's error). The prompt fits the device exact (its
+    prefill reads no warm page); the decode steps push pages into the warm tier."""
+    tokens = torch.randint(0, 512, (240,), generator=torch.Generator().manual_seed(7))
+    paged = PagedKVCache(MODEL.kv_spec())
+    sid = paged.add_sequence()
+    prefill(MODEL, paged, sid, tokens[:160], chunk_size=160)
+    want = prefill(MODEL, paged, sid, tokens[160:], start_pos=160, chunk_size=1, all_logits=True)
+    got = {}
+    for n in (0, 1024):
+        cache = warm_cache("int4", budget=320, fraction=0.5, attention_budget=10**6, warm_exact_reads=n)
+        sid = cache.add_sequence()
+        prefill(MODEL, cache, sid, tokens[:160], chunk_size=160)
+        assert cache.metrics.warm_reads == 0
+        got[n] = prefill(MODEL, cache, sid, tokens[160:], start_pos=160, chunk_size=1, all_logits=True)
+        cache.mgr.check_invariants()
+        assert cache.metrics.pages_per_tier["T2w"] > 0
+        assert (cache.metrics.warm_reads > 0) == (n == 0)
+    assert torch.allclose(got[1024], want, atol=1e-5, rtol=0)
+    assert (got[0] - want).abs().max() > 1e-3
+
+
+def test_exact_reads_take_the_top_ranked_warm_pages_and_count_their_bytes(monkeypatch):
+    """warm_exact_reads = 2: per layer and decode step, the two attended warm pages the step's
+    ranking puts highest are read exact (no other page), and each costs one page of
+    host-to-device bytes instead of a warm decode."""
+    seen = []
+    inner = TieredKVCache._exact_reads
+
+    def spy(self, layer, seq, attended, score):
+        exact = inner(self, layer, seq, attended, score)
+        t = self.mgr.table
+        warm = attended & (t.device_slot[layer, seq.rows] < 0) & (t.warm_slot[layer, seq.rows] >= 0)
+        seen.append((exact, warm, score))
+        return exact
+
+    monkeypatch.setattr(TieredKVCache, "_exact_reads", spy)
+    runs = {}
+    for n in (0, 2):
+        cache = warm_cache("int4", budget="30%", fraction=1.0, warm_exact_reads=n)
+        seen.clear()
+        sid = cache.add_sequence()
+        decode_after_prefill(cache, sid, 200, 8)
+        runs[n] = (cache.metrics.bytes_h2d, cache.metrics.warm_reads, cache.mgr.page_bytes, list(seen))
+    assert all(e is None for e, _, _ in runs[0][3])
+    steps = runs[2][3]
+    assert len(steps) == 8 * L
+    read = 0
+    for exact, warm, score in steps:
+        assert exact is not None and int(exact.sum()) == min(2, int(warm.sum())) and not (exact & ~warm).any()
+        if (warm & ~exact).any():  # every page read exact ranks at least as high as every warm page decoded
+            assert score[exact].min() >= score[warm & ~exact].max()
+        read += int(exact.sum())
+    assert read > 0
+    (h0, w0, page_bytes, _), (h2, w2, _, _) = runs[0], runs[2]
+    assert h2 - h0 == read * page_bytes and w0 - w2 == read
+
+
+def test_exact_reads_setting():
+    assert TieredKVConfig().warm.exact_reads == "auto"
+    assert TieredKVConfig().warm.reads_exact("exact") == 4 and TieredKVConfig().warm.reads_exact("masked") == 0
+    assert TieredKVConfig(warm_exact_reads=3, mode="masked").warm.reads_exact("masked") == 3
+    for bad in (-1, 1.5, "many", True, 2048):
+        with pytest.raises(ConfigError, match="warm_exact_reads.*'auto' or an integer in \\[0, 1024\\]"):
+            TieredKVConfig(warm_exact_reads=bad)
