@@ -298,9 +298,10 @@ class TieredKVCache(KVCache):
 
     def _exact_reads(self, layer: int, seq: SeqStep, attended: torch.Tensor, score: torch.Tensor
                      ) -> torch.Tensor | None:
-        """``warm.exact_reads``: of the attended warm pages, the that many ranked highest by the
-        step's selection ``score`` ([M], or [KVH, M]: a page's best head) — read from their
-        exact copy off the device instead of decoded [M] bool; None when there are none."""
+        """The pages [M] bool that a decode step reads from their exact copy off the device
+        instead of decoding them (``warm.exact_reads``): the attended warm pages the step's
+        selection ``score`` ([M], or [KVH, M]: a page's best head) ranks highest, at most that
+        many; None when there are none."""
         n = self.config.warm.reads_exact(self.config.selection.mode)
         if not n or self.mgr.warm is None:
             return None

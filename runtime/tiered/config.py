@@ -338,8 +338,8 @@ class WarmConfig(_Settings):
     it beats the warm-less cache on every held-out text in the same device bytes, with no more
     host traffic); without a device budget nothing is compressed.
 
-    ``exact_reads``: in a decode step, the that many attended warm pages of each layer that the
-    step's selection ranks highest are read from their exact copy off the device (every warm
+    ``exact_reads``: in a decode step, at most that many attended warm pages of each layer — the
+    ones the step's selection ranks highest — are read from their exact copy off the device (every warm
     page keeps one on the host or disk) instead of decoded — the codec's error removed where
     the attention is, for that many pages x layers of host-to-device bytes per token (counted in
     ``bytes_h2d``). ``"auto"`` (the default): :data:`AUTO_EXACT_READS` in exact mode, 0 in
