@@ -421,7 +421,7 @@ class TierManager:
                    exact: bool | torch.Tensor = False) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [N, KVH, P, D] of pages (``layers``, ``recs``) in ``dtype``, from whichever tier
         holds them: the device pool, the warm pool decoded (``exact``: their host / disk copy
-        instead), else the host or disk copy. Counts nothing: :meth:`record_access` and
+        instead — for every page, or [N] bool per page), else the host or disk copy. Counts nothing: :meth:`record_access` and
         :meth:`admit` account what a step reads and fetches."""
         t = self.table
         if self._pending:

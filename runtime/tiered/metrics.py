@@ -22,7 +22,7 @@ class TierMetrics:
     hits: int = 0
     misses: int = 0
     masked: int = 0
-    streamed_pages: int = 0  # pages copied into the staging area for one step (exact misses, prefill)
+    streamed_pages: int = 0  # pages copied into the staging area for one step (exact misses, prefill, warm_exact_reads)
     staging_rounds: int = 0  # staging-area fills those copies took (at most staging_pages pages each)
     created_pages: int = 0  # new pages given a device slot (the tokens of a step)
     released_pages: int = 0  # full-precision device slots freed with their sequence (free, truncate)
