@@ -135,7 +135,7 @@ class TieredKVCache(KVCache):
         """Where each page is (the tier holding most of its layers): ``device`` (full precision or
         warm), ``host`` or ``disk``."""
         t, recs = self.mgr.table, torch.tensor(records, dtype=torch.long)
-        dev = (t.device_slot[:, recs] >= 0) | (t.warm_slot[:, recs] >= 0)
+        dev = self.mgr.resident(slice(None), recs)
         host = ~dev & (t.host_slot[:, recs] >= 0)
         counts = torch.stack([dev.sum(0), host.sum(0), (~dev & ~host).sum(0)])
         return [("device", "host", "disk")[i] for i in counts.argmax(0).tolist()]
@@ -305,11 +305,10 @@ class TieredKVCache(KVCache):
         n = self.config.warm.reads_exact(self.config.selection.mode)
         if not n or self.mgr.warm is None:
             return None
-        t = self.mgr.table
-        warm = attended & (t.device_slot[layer, seq.rows] < 0) & (t.warm_slot[layer, seq.rows] >= 0)
-        if not bool(warm.any()):
-            return None
+        warm = attended & self.mgr.warm_only(layer, seq.rows)
         cand = warm.nonzero().flatten()
+        if not len(cand):
+            return None
         if len(cand) > n:  # the n ranked highest (a page's best head under the kv-head selection)
             rank = (score if score.dim() == 1 else score.amax(0))[cand].float().nan_to_num(nan=float("-inf"))
             cand = cand[rank.topk(n).indices]

@@ -134,6 +134,12 @@ class TierManager:
         t = self.table
         return (t.device_slot[layer, rows] >= 0) | (t.warm_slot[layer, rows] >= 0)
 
+    def warm_only(self, layer: int | slice, rows) -> torch.Tensor:
+        """Mask of records ``rows`` in ``layer`` held on the device only in the warm pool
+        (encoded; no full-precision slot)."""
+        t = self.table
+        return (t.device_slot[layer, rows] < 0) & (t.warm_slot[layer, rows] >= 0)
+
     def records_of(self, seq: int) -> torch.Tensor:
         return self.table.records_of(seq)
 
@@ -421,8 +427,8 @@ class TierManager:
                    exact: bool | torch.Tensor = False) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [N, KVH, P, D] of pages (``layers``, ``recs``) in ``dtype``, from whichever tier
         holds them: the device pool, the warm pool decoded (``exact``: their host / disk copy
-        instead — for every page, or [N] bool per page), else the host or disk copy. Counts nothing: :meth:`record_access` and
-        :meth:`admit` account what a step reads and fetches."""
+        instead — for every page, or [N] bool per page), else the host or disk copy. Counts
+        nothing: :meth:`record_access` and :meth:`admit` account what a step reads and fetches."""
         t = self.table
         if self._pending:
             self._settle()
@@ -438,7 +444,7 @@ class TierManager:
         v = torch.empty_like(k)
         dslot, wslot, hslot = t.device_slot[layers, recs], t.warm_slot[layers, recs], t.host_slot[layers, recs]
         full = dslot >= 0
-        warm = ~full & (wslot >= 0) & ~(exact if isinstance(exact, torch.Tensor) else torch.tensor(exact))
+        warm = ~full & (wslot >= 0) & ~torch.as_tensor(exact)
         on_host = ~full & ~warm & (hslot >= 0)
         on_disk = ~full & ~warm & ~on_host
         for where, read, slots, copy in ((full, self.device.read, dslot, False),
@@ -484,7 +490,7 @@ class TierManager:
                                                   torch.maximum(acc.importance[layer, rows], importance), importance)
         acc.scored[layer, rows] = True
         off = attended & (t.device_slot[layer, rows] < 0)
-        warm = off & (t.warm_slot[layer, rows] >= 0)
+        warm = attended & self.warm_only(layer, rows)
         if exact is not None:  # warm pages read from their exact copy (warm.exact_reads) are streamed
             warm = warm & ~exact
             acc.streamed[layer, rows] |= exact
