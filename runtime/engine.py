@@ -205,10 +205,6 @@ class _Backend(abc.ABC):
             raise ConfigError(f"dense_layers = {cfg.selection.dense_layers} runs in the PyTorch backend only: the "
                               f"engine ({eng.path}) applies one attention budget to every layer; use dense_layers = 0 "
                               "with an engine")
-        if cfg.warm.exact_reads not in ("auto", 0):
-            raise ConfigError(f"warm_exact_reads = {cfg.warm.exact_reads} runs in the PyTorch backend only: the "
-                              f"engine ({eng.path}) selects pages inside its graph and reads every warm page "
-                              "through the codec; use warm_exact_reads = 'auto' (0 under an engine) or 0")
         if eng.tiered_kv and cfg.selection.weights != eng.selection_weights:
             raise ConfigError(f"selection_weights {cfg.selection.weights} do not match the engine's "
                               f"{eng.selection_weights} (baked into its ImportanceScore nodes); rebuild with "

@@ -109,9 +109,9 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
                         "default): the least share with which the whole work fits on the device, all of it "
                         "when it does not")
     g.add_argument("--warm-exact-reads", type=_auto_or(int, "integer"), default=None, metavar="N",
-                   help="per layer and decode step, read the N warm pages the step ranks highest from their exact "
-                        "host copy instead of decoding them; auto (the default): 4 in exact mode, 0 in masked mode "
-                        "(PyTorch backend only)")
+                   help="per layer and decode step, read the N warm pages most relevant at the last step from "
+                        "their exact host copy instead of decoding them; auto (the default): 4 in exact mode, 0 in "
+                        "masked mode")
     g.add_argument("--kv-dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="dtype the tiered cache stores pages in (default: the model's)")
     g.add_argument("--prefetch", nargs="?", const="default", default=None, metavar="PREDICTOR",

@@ -234,7 +234,7 @@ class TieredKVCache(KVCache):
             heads = self._select(layer, seq, score) if decode else torch.ones_like(seq.t0)
             selected = heads if heads.dim() == 1 else heads.any(0)  # kv-head selection: a page any head needs
             attended = self.mgr.attended(layer, seq, selected, decode=decode)
-            exact = self._exact_reads(layer, seq, attended, score) if decode else None
+            exact = self._exact_reads(layer, seq, attended) if decode else None
             t_attend = time.perf_counter()
             out, mass = self._attend_pages(layer, q[b : b + 1], seq, attended,
                                            heads=None if heads.dim() == 1 else heads & attended, exact=exact)
@@ -296,25 +296,16 @@ class TieredKVCache(KVCache):
         picked = select_pages(rows, valid, t0, torch.full((len(rows),), budget))
         return picked.reshape(score.shape)
 
-    def _exact_reads(self, layer: int, seq: SeqStep, attended: torch.Tensor, score: torch.Tensor
-                     ) -> torch.Tensor | None:
+    def _exact_reads(self, layer: int, seq: SeqStep, attended: torch.Tensor) -> torch.Tensor | None:
         """The pages [M] bool that a decode step reads from their exact copy off the device
-        instead of decoding them (``warm.exact_reads``): the attended warm pages the step's
-        selection ``score`` ([M], or [KVH, M]: a page's best head) ranks highest, at most that
-        many; None when there are none."""
+        instead of decoding them (``warm.exact_reads``): the attended ones of
+        :meth:`TierManager.exact_read_choice` — the warm pages most relevant at their last step,
+        at most that many; None when there are none."""
         n = self.config.warm.reads_exact(self.config.selection.mode)
         if not n or self.mgr.warm is None:
             return None
-        warm = attended & self.mgr.warm_only(layer, seq.rows)
-        cand = warm.nonzero().flatten()
-        if not len(cand):
-            return None
-        if len(cand) > n:  # the n ranked highest (a page's best head under the kv-head selection)
-            rank = (score if score.dim() == 1 else score.amax(0))[cand].float().nan_to_num(nan=float("-inf"))
-            cand = cand[rank.topk(n).indices]
-        exact = torch.zeros_like(warm)
-        exact[cand] = True
-        return exact
+        exact = self.mgr.exact_read_choice(layer, seq.rows, n) & attended
+        return exact if exact.any() else None
 
     def _attend_pages(self, layer: int, q: torch.Tensor, seq: SeqStep, attended: torch.Tensor, *,
                       heads: torch.Tensor | None = None, exact: torch.Tensor | None = None
@@ -354,7 +345,7 @@ class TieredKVCache(KVCache):
         importance = mix(self.config.migration.score_weights, relevance,
                          position_value(seq.distance, self.scorer.position[layer]), saliency)
         self.mgr.record_access(layer, seq, decode=decode, selected=selected, attended=attended, importance=importance,
-                               mass=mass, exact=exact)
+                               mass=mass, exact=exact, relevance=relevance)
 
     def end_step(self, step: Step) -> None:
         decode = step.num_new == 1

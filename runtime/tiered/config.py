@@ -338,13 +338,15 @@ class WarmConfig(_Settings):
     it beats the warm-less cache on every held-out text in the same device bytes, with no more
     host traffic); without a device budget nothing is compressed.
 
-    ``exact_reads``: in a decode step, at most that many attended warm pages of each layer — the
-    ones the step's selection ranks highest — are read from their exact copy off the device (every warm
-    page keeps one on the host or disk) instead of decoded — the codec's error removed where
-    the attention is, for that many pages x layers of host-to-device bytes per token (counted in
-    ``bytes_h2d``). ``"auto"`` (the default): :data:`AUTO_EXACT_READS` in exact mode, 0 in
-    masked mode. PyTorch backend only: an engine's selection runs inside its graph, which reads
-    every warm page through the codec (``"auto"`` is 0 there; a number is an error)."""
+    ``exact_reads``: in a decode step, at most that many warm pages of each layer — the ones most
+    relevant at the last step that listed them (the attention share they drew where attended, the
+    scorer's estimate elsewhere; ``TierManager.exact_read_choice``) — are read, where the step
+    attends them, from their exact copy off the device (every warm page keeps one on the host or
+    disk) instead of decoded: the codec's error removed where the attention is, for up to that
+    many pages x layers of host-to-device bytes per token (counted in ``bytes_h2d``). Chosen
+    before the step runs, so an engine's runtime stages the same pages for its graph as the
+    PyTorch backend reads. ``"auto"`` (the default): :data:`AUTO_EXACT_READS` in exact mode, 0
+    in masked mode (which fetches nothing during a step)."""
 
     table: ClassVar[str] = "warm"
     codec: str | None = setting("int4", _choice(_codecs, optional=True, aliases=_codec_aliases), flat="warm_codec")

@@ -35,8 +35,9 @@ from tieredkv.plugins.select_pages import ATTEND_ALL
 from tieredkv.plugins.tiered_attention import PAD_PAGE_INDEX
 
 #: the graphs an input or output belongs to: every graph, tiered graphs (--tiered-kv), graphs
-#: with a warm codec (--warm-codec)
-GRAPHS = ("all", "tiered", "warm")
+#: with a warm codec (--warm-codec); ``"runtime"``: none — what the runtime keeps from
+#: :func:`step_feeds` for :func:`finish_step`
+GRAPHS = ("all", "tiered", "warm", "runtime")
 
 
 def tensor(dtype: torch.dtype, dims: tuple[str, ...], doc: str, *, graphs: str = "all",
@@ -69,7 +70,7 @@ class _GraphTensors:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None:
+            if value is None or f.metadata["graphs"] == "runtime":
                 continue
             if f.metadata["per_layer"]:
                 out.update({f"{f.name}_{layer}": t for layer, t in enumerate(value)})
@@ -130,6 +131,9 @@ class StepFeeds(_GraphTensors):
                                            "little-endian int32 words (codec.as_words: TensorRT takes no uint8 "
                                            "plugin tensors)",
                                            graphs="warm", per_layer=True)
+    exact_reads: torch.Tensor = tensor(torch.bool, ("L", "B", "M"), "warm pages staged from their exact copy "
+                                       "(warm.exact_reads), not a graph input: finish_step accounts them",
+                                       graphs="runtime")
 
 
 @dataclass
@@ -162,7 +166,9 @@ def step_feeds(cache, *, tiered_graph: bool, warm_codec: str | None = None) -> S
     pages read from the host / disk tiers — the graph attends the selected pages among them,
     as the PyTorch backend does. A graph built with ``warm_codec`` (the cache's own codec)
     reads warm pages itself: the feeds carry each layer's warm pool as it is (its encoded
-    bytes) and each listed page's warm row, and warm pages are not staged. Staged pages are
+    bytes) and each listed page's warm row, and warm pages are not staged — but those of a
+    decode step's ``warm.exact_reads`` (:meth:`TierManager.exact_read_choice`, the same pages the
+    PyTorch backend reads exact), which are staged from their exact copy. Staged pages are
     accounted when attended (:func:`finish_step`), as if the kernel fetched them on demand.
     """
     mgr, plan, table = cache.mgr, cache.plan, cache.mgr.table
@@ -182,7 +188,12 @@ def step_feeds(cache, *, tiered_graph: bool, warm_codec: str | None = None) -> S
     device_slot = table.device_slot[:, flat].view(L, B, M)
     warm_slot = table.warm_slot[:, flat].view(L, B, M)
     full = (device_slot >= 0) & valid
-    warm_in_graph = (warm_slot >= 0) & valid if warm_codec is not None else torch.zeros_like(full)
+    exact = torch.zeros_like(full)  # warm.exact_reads: staged from the exact copy, not read through the codec
+    n_exact = cache.config.warm.reads_exact(cache.config.selection.mode) if plan.decode and mgr.warm is not None else 0
+    if n_exact:
+        for b, s in enumerate(seqs):
+            exact[:, b, : len(s.recs)] = mgr.exact_read_choice(slice(None), s.rows, n_exact)
+    warm_in_graph = (warm_slot >= 0) & valid & ~exact if warm_codec is not None else torch.zeros_like(full)
     stage = valid & ~full & ~warm_in_graph & ((warm_slot >= 0) | stage_missing)
     page_table = torch.where(full, device_slot, torch.zeros_like(device_slot))
     k_pools, v_pools = [], []
@@ -190,7 +201,8 @@ def step_feeds(cache, *, tiered_graph: bool, warm_codec: str | None = None) -> S
         k_pool, v_pool = mgr.device.k[layer], mgr.device.v[layer]
         cols = stage[layer].nonzero()
         if len(cols):
-            k_staged, v_staged = mgr.read_pages(layer, recs[cols[:, 0], cols[:, 1]], torch.float32)
+            k_staged, v_staged = mgr.read_pages(layer, recs[cols[:, 0], cols[:, 1]], torch.float32,
+                                                exact=exact[layer, cols[:, 0], cols[:, 1]])
             page_table[layer, cols[:, 0], cols[:, 1]] = k_pool.shape[0] + torch.arange(len(cols))
             k_pool, v_pool = torch.cat([k_pool.float(), k_staged]), torch.cat([v_pool.float(), v_staged])
         k_pools.append(k_pool.float())
@@ -199,7 +211,8 @@ def step_feeds(cache, *, tiered_graph: bool, warm_codec: str | None = None) -> S
     feeds = StepFeeds(seq_len=torch.tensor([s.seq_len for s in seqs]), page_index=index, page_table=page_table,
                       page_mask=full | stage | warm_in_graph,
                       write_slot=table.device_slot[:, write_recs.flatten()].view(L, B, T),
-                      write_offset=torch.stack([s.write_offsets for s in seqs]), k_pool=k_pools, v_pool=v_pools)
+                      write_offset=torch.stack([s.write_offsets for s in seqs]), k_pool=k_pools, v_pool=v_pools,
+                      exact_reads=exact)
     if warm_codec is not None:
         feeds.page_warm_row = torch.where(warm_in_graph, warm_slot, torch.full_like(warm_slot, -1))
         feeds.warm_pool = [_warm_pool(cache, layer, warm_codec) for layer in range(L)]
@@ -246,6 +259,8 @@ def finish_step(cache, step, feeds: StepFeeds, outputs: StepOutputs) -> None:
                 relevance, mass = outputs.page_relevance[layer, b, :n], outputs.page_mass[layer, b, :n]
             else:
                 selected, relevance, mass = torch.ones(n, dtype=torch.bool), torch.zeros(n), torch.zeros(n)
-            cache.record(layer, seq, decode=plan.decode, selected=selected,
-                         attended=selected & feeds.page_mask[layer, b, :n], relevance=relevance, mass=mass)
+            attended = selected & feeds.page_mask[layer, b, :n]
+            exact = feeds.exact_reads[layer, b, :n] & attended if feeds.exact_reads is not None else None
+            cache.record(layer, seq, decode=plan.decode, selected=selected, attended=attended, relevance=relevance,
+                         mass=mass, exact=exact if exact is not None and exact.any() else None)
     cache.end_step(step)

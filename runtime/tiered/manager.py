@@ -140,6 +140,24 @@ class TierManager:
         t = self.table
         return (t.device_slot[layer, rows] < 0) & (t.warm_slot[layer, rows] >= 0)
 
+    def exact_read_choice(self, layer: int | slice, rows, n: int) -> torch.Tensor:
+        """The warm pages that a decode step reads from their exact copy off the device instead
+        of decoding them (``warm.exact_reads``): of records ``rows`` in ``layer`` ([M], or [L, M]
+        with ``slice(None)``), at most ``n`` per layer — the warm-only pages most relevant at the
+        last step that listed them (``last_relevance``: the attention share they drew where
+        attended, the scorer's estimate elsewhere; equal values: the lower column first), never
+        one scored 0. Known before the step runs, so an engine's runtime stages the same pages
+        the PyTorch backend reads exact."""
+        warm = self.warm_only(layer, rows)
+        rel = self.table.last_relevance[layer, rows]
+        cand = warm & (rel > 0)
+        chosen = torch.zeros_like(cand)
+        if n and cand.any():
+            ranked = torch.where(cand, rel, torch.full_like(rel, -1.0))
+            top = ranked.sort(dim=-1, descending=True, stable=True).indices[..., :n]
+            chosen.scatter_(-1, top, True)
+        return chosen & cand
+
     def records_of(self, seq: int) -> torch.Tensor:
         return self.table.records_of(seq)
 
@@ -468,7 +486,7 @@ class TierManager:
 
     def record_access(self, layer: int | slice, seq: SeqStep, *, decode: bool, selected: torch.Tensor,
                       attended: torch.Tensor, importance: torch.Tensor, mass: torch.Tensor,
-                      exact: torch.Tensor | None = None) -> None:
+                      exact: torch.Tensor | None = None, relevance: torch.Tensor | None = None) -> None:
         """What the step did with one sequence's pages in ``layer`` (a layer [M], or every layer
         at once with ``slice(None)`` and [L, M] tensors): the pages it needed and missed (decode;
         T0 excluded), masked misses, the pages streamed through the staging area, the attention
@@ -486,8 +504,12 @@ class TierManager:
             m.masked += int((selected & ~attended).sum())
         acc.streamed[layer, rows] |= attended & ~resident
         acc.mass[layer, rows] += mass
-        acc.importance[layer, rows] = torch.where(acc.scored[layer, rows],
-                                                  torch.maximum(acc.importance[layer, rows], importance), importance)
+        first = ~acc.scored[layer, rows]
+        acc.importance[layer, rows] = torch.where(first, importance, torch.maximum(acc.importance[layer, rows],
+                                                                                   importance))
+        relevance = mass if relevance is None else relevance
+        acc.relevance[layer, rows] = torch.where(first, relevance, torch.maximum(acc.relevance[layer, rows],
+                                                                                 relevance))
         acc.scored[layer, rows] = True
         off = attended & (t.device_slot[layer, rows] < 0)
         warm = attended & self.warm_only(layer, rows)
@@ -808,6 +830,7 @@ class TierManager:
             m.prefill_steps += 1
         m.prefetch_wasted += int((t.staged & ~access.needed).sum())  # staged for this step, not used by it
         t.acc_mass += access.mass
+        t.last_relevance = torch.where(access.scored, access.relevance, t.last_relevance)
         t.importance = torch.where(access.scored, access.importance, t.importance)
         if decode and self.step_no % self.config.migration.window_steps == 0:
             self._migrate()

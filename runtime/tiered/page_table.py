@@ -104,6 +104,7 @@ class PageTable:
     t1: torch.Tensor = column(torch.bool, False)  # labelled a hot key (T1)
     importance: torch.Tensor = column(torch.float32, 0.0, new=1.0)  # the latest importance score
     acc_mass: torch.Tensor = column(torch.float32, 0.0)  # accumulated attention mass (H2O's signal)
+    last_relevance: torch.Tensor = column(torch.float32, 0.0)  # relevance at the last step that listed the page
     hist: torch.Tensor = column(torch.long, 0)  # access history: bit i = needed by the decode step i steps ago
     prefetched: torch.Tensor = column(torch.bool, False)  # brought in by the prefetcher, not needed since
     staged: torch.Tensor = column(torch.bool, False)  # prefetched into the staging area for the next decode step

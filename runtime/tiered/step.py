@@ -13,7 +13,7 @@ import torch
 class StepAccess:
     """What one step did, per (layer, record): pages it needed (selected, T0 excluded),
     which of those were not resident, the pages streamed to the staging area, the attention
-    mass each page received, and the importance kept for it."""
+    mass each page received, its relevance and the importance kept for it."""
 
     needed: torch.Tensor  # [L, R] bool
     missing: torch.Tensor  # [L, R] bool
@@ -21,14 +21,15 @@ class StepAccess:
     mass: torch.Tensor  # [L, R] float
     importance: torch.Tensor  # [L, R] float
     scored: torch.Tensor  # [L, R] bool: importance was computed
+    relevance: torch.Tensor  # [L, R] float: observed attention share where attended, the scorer's estimate elsewhere
     tier: torch.Tensor | None = None  # [L, R] int8: where each page was when the step began (TIER_CODES)
     spec: torch.Tensor | None = None  # [L, R] float: relevance under the previous layer's query (NaN: none)
 
     @classmethod
     def empty(cls, num_layers: int, num_records: int) -> "StepAccess":
         flags = lambda: torch.zeros(num_layers, num_records, dtype=torch.bool)  # noqa: E731
-        return cls(flags(), flags(), flags(), torch.zeros(num_layers, num_records),
-                   torch.zeros(num_layers, num_records), flags())
+        zeros = lambda: torch.zeros(num_layers, num_records)  # noqa: E731
+        return cls(flags(), flags(), flags(), zeros(), zeros(), flags(), zeros())
 
     def columns(self, rows) -> "StepAccess":
         """The record of columns ``rows`` (e.g. one sequence's records)."""

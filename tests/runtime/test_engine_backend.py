@@ -70,13 +70,13 @@ def run(model, kv: TieredKVConfig, ids: list[list[int]], *, new_tokens: int = 20
 
 
 @pytest.mark.parametrize("kv", [
-    # warm_exact_reads=0 where the default warm tier is on: what "auto" is under an engine (its graph
-    # reads every warm page through the codec); the PyTorch backend reads the top-ranked ones exact
     TieredKVConfig(page_size=PAGE),
+    TieredKVConfig(**TIGHT, mode="exact"),  # the default warm tier, warm_exact_reads "auto" (4)
     TieredKVConfig(**TIGHT, mode="exact", warm_exact_reads=0),
     TieredKVConfig(**TIGHT, mode="masked", policy="lru"),
     TieredKVConfig(**TIGHT, mode="exact", warm_codec="int4", warm_fraction=0.5, warm_exact_reads=0),
-], ids=["unlimited", "exact-budget", "masked-budget", "warm-int4"])
+    TieredKVConfig(**TIGHT, mode="exact", warm_codec="int4", warm_fraction=0.5, warm_exact_reads=2),
+], ids=["unlimited", "exact-budget", "exact-budget-no-exact-reads", "masked-budget", "warm-int4", "warm-int4-reads-2"])
 def test_greedy_tokens_and_tier_decisions_equal_the_torch_backend(torch_model, backend, kv):
     ids = prompts(70, 33)  # prefill in chunks of 16 under the budget, then decode past it
     want_tokens, want_metrics, _ = run(torch_model, kv, ids)
@@ -99,9 +99,10 @@ def warm_backend(built, tmp_path_factory):
 
 @pytest.mark.parametrize("kv", [
     TieredKVConfig(**TIGHT, mode="exact", warm_codec="int4", warm_fraction=0.5, warm_exact_reads=0),
+    TieredKVConfig(**TIGHT, mode="exact", warm_codec="int4", warm_fraction=0.5),  # exact reads "auto": staged exact
     TieredKVConfig(**TIGHT, mode="masked", policy="lfu-importance", warm_codec="int4", warm_fraction=0.75),
-    TieredKVConfig(**TIGHT, mode="exact", warm_exact_reads=0),  # no warm tier: the graph gets empty warm pools
-], ids=["exact-warm", "masked-warm", "no-warm-tier"])
+    TieredKVConfig(**TIGHT, mode="exact", warm_codec="off"),  # no warm tier: the graph gets empty warm pools
+], ids=["exact-warm", "exact-warm-exact-reads", "masked-warm", "no-warm-tier"])
 def test_warm_engine_equals_the_torch_backend(torch_model, warm_backend, kv):
     """The graph decodes warm pages itself (no staging of decoded copies): same tokens and the
     same TierMetrics as the torch backend, which decodes them in Python."""
@@ -116,11 +117,13 @@ def test_warm_engine_equals_the_torch_backend(torch_model, warm_backend, kv):
 
 
 def test_warm_engine_feeds_read_the_encoded_pool(warm_backend):
-    """The feeds carry the warm pool's own bytes and the warm rows; warm pages are not staged."""
+    """The feeds carry the warm pool's own bytes and the warm rows; warm pages are not staged,
+    but the decode step's exact reads (warm_exact_reads = 1 per layer): the pages of
+    TierManager.exact_read_choice, staged after the pool from their exact copies."""
     from tieredkv.runtime.tiered.cache import TieredKVCache
     from tieredkv.runtime.tiered.engine_io import StepOutputs, finish_step, step_feeds
 
-    kv = TieredKVConfig(**TIGHT, mode="exact", warm_codec="int4", warm_fraction=0.5)
+    kv = TieredKVConfig(**TIGHT, mode="exact", warm_codec="int4", warm_fraction=0.5, warm_exact_reads=1)
     cache = TieredKVCache(warm_backend.kv_spec(), kv, num_sequences=2)  # a budget with room for warm pages
     assert cache.budgets.warm_pages > 0
     sid = cache.add_sequence()
@@ -135,14 +138,30 @@ def test_warm_engine_feeds_read_the_encoded_pool(warm_backend):
     for tok in prompts(60, seed=9)[0]:  # grow a sequence past the budget, one token per step
         finish_step(cache, *run_step(tok))
     step, feeds, outputs = run_step(1)
-    rows = feeds.page_warm_row
-    assert (rows >= 0).any()
-    for layer in range(cache.mgr.L):
-        assert feeds.warm_pool[layer].data_ptr() == cache.mgr.warm.data[layer].data_ptr()
-        assert feeds.k_pool[layer].shape[0] == cache.mgr.device.capacity  # nothing staged in exact mode...
+    rows, exact, mgr = feeds.page_warm_row, feeds.exact_reads, cache.mgr
+    seq = cache.plan.seqs[0]
+    assert (rows >= 0).any() and exact.any() and "exact_reads" not in feeds.as_dict()  # not a graph input
+    for layer in range(mgr.L):
+        assert feeds.warm_pool[layer].data_ptr() == mgr.warm.data[layer].data_ptr()
+        chosen = mgr.exact_read_choice(layer, seq.rows, 1)
+        assert torch.equal(exact[layer, 0], chosen) and int(chosen.sum()) <= 1
+        assert (mgr.table.warm_slot[layer, seq.recs[chosen]] >= 0).all()
+        # nothing else staged in exact mode: the chosen pages after the pool, read from their exact copy
+        assert feeds.k_pool[layer].shape[0] == mgr.device.capacity + int(chosen.sum())
+        assert (rows[layer, 0][chosen] == -1).all() and feeds.page_mask[layer, 0][chosen].all()
+        slots = feeds.page_table[layer, 0][chosen]
+        assert (slots >= mgr.device.capacity).all()
+        if chosen.any():
+            k_exact, v_exact = mgr.read_pages(layer, seq.recs[chosen], torch.float32, exact=True)
+            k_int4, _ = mgr.read_pages(layer, seq.recs[chosen], torch.float32)
+            assert torch.equal(feeds.k_pool[layer][slots], k_exact) and torch.equal(feeds.v_pool[layer][slots], v_exact)
+            assert not torch.equal(k_exact, k_int4)
     assert feeds.page_mask[rows >= 0].all()
+    streamed = mgr.metrics.streamed_pages
     finish_step(cache, step, feeds, outputs)
-    cache.mgr.check_invariants()
+    attended = outputs.page_selected & feeds.page_mask
+    assert mgr.metrics.streamed_pages - streamed == int((exact & attended).sum()) > 0  # accounted when attended
+    mgr.check_invariants()
 
 
 def test_warm_engine_refuses_another_codec(warm_backend):
@@ -177,8 +196,6 @@ def test_mismatched_cache_configs_are_refused(backend):
         run(backend, TieredKVConfig(page_size=PAGE, selection_aggregate="kv-head"), ids)
     with pytest.raises(ConfigError, match="dense_layers = 2 runs in the PyTorch backend only"):
         run(backend, TieredKVConfig(page_size=PAGE, dense_layers=2), ids)
-    with pytest.raises(ConfigError, match="warm_exact_reads = 3 runs in the PyTorch backend only"):
-        run(backend, TieredKVConfig(page_size=PAGE, warm_exact_reads=3), ids)
     with pytest.raises(ConfigError, match="tiered KV cache"):
         LLM.from_model(backend, None, prefill_chunk=16).generate(ids, SamplingParams(max_new_tokens=2))
 

@@ -40,9 +40,9 @@ def prompts(smollm, pg_ids):
     return [pg_ids[1000:1600], chat]
 
 
-@pytest.mark.parametrize("kv", [  # warm_exact_reads=0 in exact mode: what 'auto' is under an engine
+@pytest.mark.parametrize("kv", [
     TieredKVConfig(),
-    TieredKVConfig(device_budget="25%", mode="exact", warm_exact_reads=0),
+    TieredKVConfig(device_budget="25%", mode="exact"),  # the default: warm int4, 4 exact reads per layer and step
     TieredKVConfig(device_budget="25%", mode="masked"),
     TieredKVConfig(device_budget="25%", mode="exact", kv_dtype="float16", warm_codec="int4", warm_fraction=0.75,
                    warm_exact_reads=0),

@@ -236,18 +236,18 @@ def test_exact_reads_of_every_warm_page_equal_the_full_cache():
     assert (got[0] - want).abs().max() > 1e-3
 
 
-def test_exact_reads_take_the_top_ranked_warm_pages_and_count_their_bytes(monkeypatch):
-    """warm_exact_reads = 2: per layer and decode step, the two attended warm pages the step's
-    ranking puts highest are read exact (no other page), and each costs one page of
-    host-to-device bytes instead of a warm decode."""
+def test_exact_reads_take_the_warm_pages_most_relevant_last_step_and_count_their_bytes(monkeypatch):
+    """warm_exact_reads = 2: per layer and decode step, of the warm pages the two most relevant at
+    their last step (and no other page) are read exact where attended, and each costs one page
+    of host-to-device bytes instead of a warm decode."""
     seen = []
     inner = TieredKVCache._exact_reads
 
-    def spy(self, layer, seq, attended, score):
-        exact = inner(self, layer, seq, attended, score)
+    def spy(self, layer, seq, attended):
+        exact = inner(self, layer, seq, attended)
         t = self.mgr.table
-        warm = attended & (t.device_slot[layer, seq.rows] < 0) & (t.warm_slot[layer, seq.rows] >= 0)
-        seen.append((exact, warm, score))
+        warm = (t.device_slot[layer, seq.rows] < 0) & (t.warm_slot[layer, seq.rows] >= 0)
+        seen.append((exact, warm, attended, t.last_relevance[layer, seq.rows].clone()))
         return exact
 
     monkeypatch.setattr(TieredKVCache, "_exact_reads", spy)
@@ -258,14 +258,18 @@ def test_exact_reads_take_the_top_ranked_warm_pages_and_count_their_bytes(monkey
         sid = cache.add_sequence()
         decode_after_prefill(cache, sid, 200, 8)
         runs[n] = (cache.metrics.bytes_h2d, cache.metrics.warm_reads, cache.mgr.page_bytes, list(seen))
-    assert all(e is None for e, _, _ in runs[0][3])
+    assert all(e is None for e, *_ in runs[0][3])
     steps = runs[2][3]
     assert len(steps) == 8 * L
     read = 0
-    for exact, warm, score in steps:
-        assert exact is not None and int(exact.sum()) == min(2, int(warm.sum())) and not (exact & ~warm).any()
-        if (warm & ~exact).any():  # every page read exact ranks at least as high as every warm page decoded
-            assert score[exact].min() >= score[warm & ~exact].max()
+    for exact, warm, attended, rel in steps:
+        cand = warm & (rel > 0)
+        exact = torch.zeros_like(warm) if exact is None else exact
+        assert not (exact & ~(cand & attended)).any() and int(exact.sum()) <= 2
+        for p in exact.nonzero().flatten():  # among the two most relevant candidates
+            assert int((rel[cand] > rel[p]).sum()) < 2
+        if attended[cand].all():  # every candidate attended: the two most relevant, or all of them
+            assert int(exact.sum()) == min(2, int(cand.sum()))
         read += int(exact.sum())
     assert read > 0
     (h0, w0, page_bytes, _), (h2, w2, _, _) = runs[0], runs[2]
