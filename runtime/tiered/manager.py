@@ -507,7 +507,7 @@ class TierManager:
         first = ~acc.scored[layer, rows]
         acc.importance[layer, rows] = torch.where(first, importance, torch.maximum(acc.importance[layer, rows],
                                                                                    importance))
-        relevance = mass if relevance is None else relevance
+        relevance = (mass if relevance is None else relevance).detach()
         acc.relevance[layer, rows] = torch.where(first, relevance, torch.maximum(acc.relevance[layer, rows],
                                                                                  relevance))
         acc.scored[layer, rows] = True

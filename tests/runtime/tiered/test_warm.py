@@ -276,6 +276,31 @@ def test_exact_reads_take_the_warm_pages_most_relevant_last_step_and_count_their
     assert h2 - h0 == read * page_bytes and w0 - w2 == read
 
 
+def test_exact_read_choice_ranks_warm_pages_by_last_relevance():
+    """TierManager.exact_read_choice — what both backends read exact — against a plain oracle:
+    per layer the n warm-only pages of highest last_relevance (equal values: lower column), none
+    scored 0; the all-layers call equals the per-layer ones (the engine's runtime uses the former,
+    the PyTorch backend the latter)."""
+    cache = warm_cache("int4", budget="30%", fraction=1.0, warm_exact_reads=0)
+    sid = cache.add_sequence()
+    decode_after_prefill(cache, sid, 200, 4)
+    mgr, t = cache.mgr, cache.mgr.table
+    rows = mgr.records_of(sid)
+    t.last_relevance[:, rows[3]] = t.last_relevance[:, rows[5]]  # a tie
+    t.last_relevance[:, rows[7]] = 0.0  # never chosen
+    for n in (0, 1, 3, 1000):
+        every = mgr.exact_read_choice(slice(None), rows, n)
+        for layer in range(L):
+            got = mgr.exact_read_choice(layer, rows, n)
+            assert torch.equal(every[layer], got)
+            warm = (t.device_slot[layer, rows] < 0) & (t.warm_slot[layer, rows] >= 0)
+            rel = t.last_relevance[layer, rows]
+            cand = [j for j in range(len(rows)) if warm[j] and rel[j] > 0]
+            want = sorted(cand, key=lambda j: (-float(rel[j]), j))[:n]
+            assert got.nonzero().flatten().tolist() == sorted(want), (layer, n)
+    assert mgr.exact_read_choice(slice(None), rows, 1000).sum() > 0
+
+
 def test_exact_reads_setting():
     assert TieredKVConfig().warm.exact_reads == "auto"
     assert TieredKVConfig().warm.reads_exact("exact") == 4 and TieredKVConfig().warm.reads_exact("masked") == 0
