@@ -310,7 +310,7 @@ def _warm_fraction(v: Any) -> float | str:
 
 #: ``warm.exact_reads = "auto"`` in exact mode: chosen by the evaluation suite (docs/benchmarks.md
 #: §7: at 25 % of a 2k context the worst held-out text's perplexity gap falls from +1.7 % to
-#: +0.4 % for 4 pages x layers of host reads per token)
+#: +0.5 %, and every text's within it, for 4 pages x layers of host reads per token)
 AUTO_EXACT_READS = 4
 
 

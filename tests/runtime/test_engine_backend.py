@@ -279,8 +279,7 @@ def test_cli_eval_perplexity_with_engine_equals_the_model(built, tmp_path, capsy
     common = ["eval", "perplexity", "--text-file", str(text), "--window", "256", "--max-windows", "2", "--json"]
     values = []
     for extra in (["--engine", str(built[1]), "--kv-budget", "50%", "--mode", "exact"],
-                  ["--model", str(built[0]), "--page-size", str(PAGE), "--kv-budget", "50%", "--mode", "exact",
-                   "--warm-exact-reads", "0"]):  # what 'auto' is under an engine
+                  ["--model", str(built[0]), "--page-size", str(PAGE), "--kv-budget", "50%", "--mode", "exact"]):
         assert main(common + extra) == 0
         values.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["perplexity"])
     assert values[0] == pytest.approx(values[1], rel=1e-5)
@@ -294,7 +293,7 @@ def test_cli_eval_passkey_with_engine_equals_the_model(built, tmp_path, capsys):
     text = tmp_path / "hay.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
     kv = tmp_path / "kv.toml"
-    kv.write_text('mode = "exact"\ndevice_budget = "50%"\n[warm]\nexact_reads = 0\n')  # 'auto' under an engine
+    kv.write_text('mode = "exact"\ndevice_budget = "50%"\n')  # the default warm tier and exact reads
     common = ["eval", "passkey", "--haystack-file", str(text), "--context", "300", "--trials", "2", "--json"]
     results = []
     for extra in (["--engine", str(built[1]), "--kv-config", str(kv)],
