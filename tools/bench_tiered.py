@@ -42,6 +42,7 @@ from tieredkv.plugins.select_pages import select_pages
 from tieredkv.runtime.tiered.config import TieredKVConfig, resolve_budgets
 from tieredkv.runtime.tiered.manager import TierManager
 from tieredkv.runtime.tiered.policies import POLICIES, make_policy
+from tieredkv.runtime.tiered.step import StepRecord
 
 
 def cmd_hitrate(args: argparse.Namespace) -> int:
@@ -171,20 +172,20 @@ def cmd_overhead(args: argparse.Namespace) -> int:
         done += n
     gen = torch.Generator().manual_seed(1)
     hot = torch.randint(1, n_pages - 8, (L, A // 2), generator=gen)  # recurring pages
-    everything, rows = slice(None), torch.arange(L).unsqueeze(1)
+    rows = torch.arange(L).unsqueeze(1)
     step_times, begin_times = [], []
     for s in range(args.steps):
         t_begin = time.perf_counter()
-        (seq,) = mgr.begin_step((0,), 1).seqs
+        plan = mgr.begin_step((0,), 1)
         begin_times.append(time.perf_counter() - t_begin)
-        m = len(seq.recs)
+        m = plan.lengths[0]
         needed = torch.zeros(L, m, dtype=torch.bool)
         needed[:, max(1, m - 6 - A // 2): m - 5] = True  # the pages just behind the recent window
         needed[rows, hot.clamp(max=m - 7)] = True
         needed[rows, torch.randint(1, m - 6, (L, A // 4), generator=gen)] = True
-        selected = needed | seq.t0
-        mgr.record_access(everything, seq, decode=True, selected=selected, attended=selected,
-                          importance=torch.rand(L, m), mass=torch.rand(L, m) * needed)
+        selected = (needed | plan.t0[0]).unsqueeze(1)  # [L, 1, M]
+        mgr.record_step(plan, StepRecord(selected=selected, attended=selected, relevance=None,
+                                         importance=torch.rand(L, 1, m), mass=torch.rand(L, 1, m) * needed.unsqueeze(1)))
         t_start = time.perf_counter()
         mgr.end_step(decode=True)
         step_times.append(time.perf_counter() - t_start)

@@ -1,21 +1,23 @@
-"""TieredKVCache: the KV cache of DESIGN.md's decode step, for the PyTorch reference model.
+"""TieredKVCache: the KV cache of the tiered design's decode step, for the PyTorch reference model.
 
 Per step: ``begin_step`` asks the TierManager for the step's plan (new pages, where the new
-tokens go). Per layer (``attend``):
+tokens go, every sequence's pages as [B, M] tensors) and opens a
+:class:`~tieredkv.runtime.tiered.layer_step.LayerStep`. Per layer (``attend``), for every
+sequence at once:
   1. ``store``: the new tokens' K/V into their device pages (KVAppend), with the key
      summaries and saliency the scorer reads;
-  2. per sequence, ImportanceScore scores every page from the summaries (the relevance, and
-     the selection ranking when it mixes other signals);
-  3. *decode step* (one new token): SelectPages picks T0 plus the top pages by score within
-     the attention budget; a selected page that is not resident is a miss: ``exact`` mode
-     streams it through the staging area before use, ``masked`` skips it;
-     *prefill chunk* (several new tokens): every page, the non-resident ones streamed;
-  4. TieredAttention over the attended pages, read from whichever tier holds them (the
-     manager's one reader), gives the output and each page's attention mass;
-  5. ``record``: the step's access (needed, missed, streamed, mass, the importance kept
-     between steps) goes to the manager, which accounts the reads.
-``end_step``: the TierManager updates statistics, migrates and admits pages. The engine
-backends run steps 1-4 in their graph and hand the outputs back through ``engine_io``.
+  2. where the step selects (an attention budget smaller than a sequence's pages, or masked
+     mode with pages off the device), ImportanceScore ranks every listed page; SelectPages
+     picks T0 plus the top pages within the attention budget; a selected page that is not
+     resident is a miss: ``exact`` mode reads it from the host (or disk) before use, ``masked``
+     skips it;
+  3. TieredAttention over the attended pages — gathered by slot from the device pool,
+     decoded from the warm pool, read off the device by the manager's one reader — gives the
+     output and each page's attention mass.
+``end_step``: what every layer did goes to the manager once (``record_step``: needed, missed,
+streamed, mass, the importance kept between steps), which updates statistics, migrates and
+admits pages. The engine backends run steps 1-3 in their graph and hand the outputs back
+through ``engine_io``.
 
 With an unlimited device budget (or the ``full`` policy) and no attention budget every
 page is resident and attended: the output equals the paged cache's.
@@ -23,6 +25,7 @@ page is resident and attended: the output equals the paged cache's.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 
@@ -32,13 +35,10 @@ from tieredkv.errors import ConfigError
 from tieredkv.models.cache import KVCache, KVSpec, Step
 from tieredkv.plugins.codec import CODECS
 from tieredkv.plugins.codec import page_bytes as codec_page_bytes
-from tieredkv.plugins.importance_score import (RELEVANCE_ONLY, importance_score, mix, position_value,
-                                               relevance_and_ranking)
-from tieredkv.plugins.select_pages import ATTEND_ALL, select_pages
-from tieredkv.plugins.tiered_attention import attention_over_pages
 from tieredkv.runtime.tiered.config import KV_DTYPES, TieredKVConfig, resolve_budgets
+from tieredkv.runtime.tiered.layer_step import LayerStep
 from tieredkv.runtime.tiered.manager import TierManager
-from tieredkv.runtime.tiered.step import SeqStep, StepPlan
+from tieredkv.runtime.tiered.step import StepPlan
 from tieredkv.runtime.tiered.metrics import TierMetrics
 from tieredkv.runtime.tiered.policies import make_policy
 from tieredkv.runtime.tiered.prefetch import make_prefetcher
@@ -73,8 +73,11 @@ class TieredKVCache(KVCache):
             raise ConfigError(f"policy {migration.policy!r} is an offline oracle: it needs the future accesses of a "
                               "recorded trace (tools/bench_tiered.py hitrate replays one); a live cache cannot run "
                               "it. Use lru, lfu, lfu-importance, h2o, streaming or full")
-        self.scorer = scorer or ImportanceScorer.for_model(spec.num_layers, spec.head_dim, path=config.scorer_weights,
-                                                           weights=migration.score_weights)
+        scorer = scorer or ImportanceScorer.for_model(spec.num_layers, spec.head_dim, path=config.scorer_weights,
+                                                      weights=migration.score_weights)
+        if scorer.position.device != torch.device(spec.device):  # the scorer runs where the layers do
+            scorer = copy.deepcopy(scorer).to(spec.device)
+        self.scorer = scorer
         self.prefetcher = make_prefetcher(config)
         self.mgr = TierManager(num_layers=spec.num_layers, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                                dtype=spec.dtype, config=config, budgets=self.budgets, policy=policy,
@@ -89,6 +92,7 @@ class TieredKVCache(KVCache):
         self._speculate = bool(getattr(recorder, "speculate", False)) or (
             self.prefetcher is not None and self.prefetcher.predictor.lead == "layer")
         self.plan: StepPlan | None = None  # the open step's
+        self.layers: LayerStep | None = None  # the open step's layers
         self._snapshot_steps = -1
         self._next_id = 0
 
@@ -213,151 +217,49 @@ class TieredKVCache(KVCache):
     def begin_step(self, seq_ids, num_new: int) -> Step:
         step = super().begin_step(seq_ids, num_new)
         self.plan = self.mgr.begin_step(step.seq_ids, num_new)
+        self.layers = LayerStep(self, self.plan)
         return step
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The open step's new K/V of one layer, k, v [B, KVH, T, D], into the cache."""
         kt = k.transpose(1, 2).reshape(-1, *k.shape[1:2], k.shape[-1])  # [B*T, KVH, D] in (b, t) order
         vt = v.transpose(1, 2).reshape(-1, *v.shape[1:2], v.shape[-1])
-        self.mgr.write_tokens(layer, self.plan, kt, vt, self.scorer.token_saliency(layer, _host(kt)))
+        self.mgr.write_tokens(layer, self.plan, kt, vt, self.scorer.token_saliency(layer, kt),
+                              slots=self.layers.write_slots[layer])
 
     def attend(self, step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.store(layer, k, v)
-        decode, m = step.num_new == 1, self.mgr.metrics
-        if decode and self._speculate and layer == 0 and self.prefetcher is not None:
+        speculate = self._speculate and self.plan.decode
+        if speculate and layer == 0 and self.prefetcher is not None:
             self._prefetch_layer(0, None)  # layer 0 has no previous layer: the predictor's fallback
-        outs = []
-        for b, seq in enumerate(self.plan.seqs):
-            t_score = time.perf_counter()
-            rel, score, saliency = self._score(layer, seq, _host(q[b : b + 1, :, -1]), decode=decode)
-            t_select = time.perf_counter()
-            heads = self._select(layer, seq, score) if decode else torch.ones_like(seq.t0)
-            selected = heads if heads.dim() == 1 else heads.any(0)  # kv-head selection: a page any head needs
-            attended = self.mgr.attended(layer, seq, selected, decode=decode)
-            exact = self._exact_reads(layer, seq, attended) if decode else None
-            t_attend = time.perf_counter()
-            out, mass = self._attend_pages(layer, q[b : b + 1], seq, attended,
-                                           heads=None if heads.dim() == 1 else heads & attended, exact=exact)
-            self.record(layer, seq, decode=decode, selected=selected, attended=attended, relevance=rel, mass=mass,
-                        saliency=saliency, exact=exact)
-            outs.append(out)
-            m.scorer_seconds += t_select - t_score
-            m.select_seconds += t_attend - t_select
-            m.attention_seconds += time.perf_counter() - t_attend
-        if decode and self._speculate and layer + 1 < self.spec.num_layers:
+        out = self.layers.attend(layer, q)
+        if speculate and layer + 1 < self.spec.num_layers:
             self._prefetch_layer(layer + 1, q)
-        return torch.cat(outs, dim=0)
+        return out
 
     def _prefetch_layer(self, layer: int, q: torch.Tensor | None) -> None:
-        """Inside a decode step: layer ``layer``'s pages scored under the previous layer's
-        query ``q`` [B, H, T, D] (the access log's ``spec``; None: unknown), then — with a
+        """Inside a decode step: layer ``layer``'s pages scored under the previous layer's query
+        ``q`` [B, H, T, D] (the access log's ``spec``; None: unknown), then — with a
         cross-layer predictor — prefetched before the layer selects."""
-        acc = self.mgr._access
+        acc, plan = self.mgr._access, self.plan
         if acc.spec is None:
             acc.spec = torch.full(acc.needed.shape, float("nan"))
         if q is not None:
             t_start = time.perf_counter()
-            for b, seq in enumerate(self.plan.seqs):
-                acc.spec[layer, seq.rows] = importance_score(*self._score_args(layer, seq, _host(q[b : b + 1, :, -1])),
-                                                             RELEVANCE_ONLY)[0]
+            spec = self.layers.relevance_ahead(layer, q[:, :, -1]).cpu()
+            acc.spec[layer, plan.recs[plan.valid]] = spec[plan.valid]
             self.mgr.metrics.predictor_seconds += time.perf_counter() - t_start
         if self.prefetcher is not None:
             self.prefetcher.within_step(self.mgr, acc.spec, layers=layer)
 
-    def _score_args(self, layer: int, seq: SeqStep, q: torch.Tensor) -> tuple:
-        """ImportanceScore's inputs for one sequence's pages of ``layer`` under query q [1, H, D]."""
-        kmin, kmax, saliency = self.mgr.summaries(layer, seq.rows, seq.tokens)
-        candidates = ~seq.t0 if not seq.t0.all() else seq.t0
-        return (q, kmin.unsqueeze(0), kmax.unsqueeze(0), seq.tokens.unsqueeze(0), seq.distance.unsqueeze(0),
-                saliency.unsqueeze(0), candidates.unsqueeze(0), self.scorer.position[layer])
-
-    def _score(self, layer: int, seq: SeqStep, q: torch.Tensor, *, decode: bool):
-        """ImportanceScore of one sequence's pages for query q [1, H, D]: (the relevance, the
-        selection ranking (decode steps; None otherwise), the pages' saliency). The relevance is
-        estimated among the pages that compete for the budget (T0 is attended anyway, and its
-        sink pages would dominate the normalization), or among all when all are T0."""
-        args = self._score_args(layer, seq, q)
-        saliency = args[5][0]
-        if not decode:
-            return importance_score(*args, RELEVANCE_ONLY)[0], None, saliency
-        selection = self.config.selection
-        rel, ranking = relevance_and_ranking(*args, selection.weights, aggregate=selection.aggregate)
-        return rel[0], ranking[0], saliency
-
-    def _select(self, layer: int, seq: SeqStep, score: torch.Tensor) -> torch.Tensor:
-        """SelectPages: T0 plus the top pages by ``score`` within the attention budget — every
-        page in the first ``dense_layers`` layers. ``score`` [M], or [KVH, M] for the kv-head
-        selection, which then selects per kv head ([KVH, M])."""
-        budget = self.budgets.attention_pages
-        if budget is None or layer < self.config.selection.dense_layers:
-            budget = ATTEND_ALL
-        rows = score.reshape(-1, score.shape[-1])
-        valid, t0 = torch.ones_like(seq.t0).expand_as(rows), seq.t0.expand_as(rows)
-        picked = select_pages(rows, valid, t0, torch.full((len(rows),), budget))
-        return picked.reshape(score.shape)
-
-    def _exact_reads(self, layer: int, seq: SeqStep, attended: torch.Tensor) -> torch.Tensor | None:
-        """The pages [M] bool that a decode step reads from their exact copy off the device
-        instead of decoding them (``warm.exact_reads``): the attended ones of
-        :meth:`TierManager.exact_read_choice` — the warm pages most relevant at their last step,
-        at most that many; None when there are none."""
-        n = self.config.warm.reads_exact(self.config.selection.mode)
-        if not n or self.mgr.warm is None:
-            return None
-        exact = self.mgr.exact_read_choice(layer, seq.rows, n) & attended
-        return exact if exact.any() else None
-
-    def _attend_pages(self, layer: int, q: torch.Tensor, seq: SeqStep, attended: torch.Tensor, *,
-                      heads: torch.Tensor | None = None, exact: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """TieredAttention of q [1, H, T, D] over the ``attended`` pages of one sequence, read by
-        the manager from whichever tier holds them (warm pages decoded, off-device pages copied
-        from the host or disk); ``heads`` [KVH, M]: the pages each kv head attends (the kv-head
-        selection; None: every head attends every attended page). Returns (out, attention mass
-        per page [M] — mean over the query heads —, 0 where not attended)."""
-        sub = attended.nonzero().flatten()
-        n = len(sub)
-        k, v = self.mgr.read_pages(layer, seq.recs.index_select(0, sub), q.dtype,
-                                   exact=False if exact is None else exact[sub])
-        dev = q.device  # attention runs where the model does; the page bookkeeping on the host
-        mask = torch.ones(1, n, dtype=torch.bool, device=dev) if heads is None else heads[:, sub].unsqueeze(0).to(dev)
-        # pages stay in logical order whatever their residency: the arithmetic is identical
-        out, _, probs = attention_over_pages(q, k.unsqueeze(0), v.unsqueeze(0), mask,
-                                             seq.index[sub].unsqueeze(0).to(dev), torch.tensor([seq.seq_len], device=dev),
-                                             torch.tensor([seq.past], device=dev), with_lse=False)
-        mass = torch.zeros(len(seq.recs))
-        mass[sub] = _host(probs.mean(1).sum(1)[0])  # mean over heads, sum over queries
-        return out, mass
-
-    def record(self, layer: int, seq: SeqStep, *, decode: bool, selected: torch.Tensor, attended: torch.Tensor,
-               relevance: torch.Tensor, mass: torch.Tensor, saliency: torch.Tensor | None = None,
-               exact: torch.Tensor | None = None) -> None:
-        """What the step did with one sequence's pages in one layer, for the manager: the
-        selection, what was attended, and the importance kept between steps — the observed
-        attention share where the page was attended (normalized so the top page is 1), the
-        estimated relevance elsewhere, mixed with position and saliency (``score_weights``)."""
-        if saliency is None:
-            saliency = self.mgr.summaries(layer, seq.rows, seq.tokens)[2]
-        if attended.any():
-            observed = torch.zeros_like(relevance)
-            observed[attended] = mass[attended] / mass[attended].max().clamp(min=1e-30)
-            relevance = torch.where(attended, observed, relevance)
-        importance = mix(self.config.migration.score_weights, relevance,
-                         position_value(seq.distance, self.scorer.position[layer]), saliency)
-        self.mgr.record_access(layer, seq, decode=decode, selected=selected, attended=attended, importance=importance,
-                               mass=mass, exact=exact, relevance=relevance)
-
     def end_step(self, step: Step) -> None:
+        """Close the step: what every layer did to the manager (once), the access log, then the
+        manager's statistics, migration and admissions."""
+        self.mgr.record_step(self.plan, self.layers.record())
         decode = step.num_new == 1
         if self.recorder is not None:
             for sid in step.seq_ids:
                 self.recorder.record(self.mgr.seq_access(sid), seq=sid, num_new=step.num_new, decode=decode,
                                      page_size=self.config.page_size, t0=self.mgr.table.t0[self.mgr.records_of(sid)])
         self.mgr.end_step(decode=decode)
-        self.plan = None
-
-
-def _host(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in host memory (itself when it is there): the scorer, the selection and the
-    manager's bookkeeping run on the host whatever device the model and the device tier use."""
-    return t if t.device.type == "cpu" else t.cpu()
+        self.plan = self.layers = None

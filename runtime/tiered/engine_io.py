@@ -32,7 +32,6 @@ from tieredkv.errors import ConfigError
 from tieredkv.plugins.codec import CODECS, as_words
 from tieredkv.plugins.codec import page_bytes as codec_page_bytes
 from tieredkv.plugins.select_pages import ATTEND_ALL
-from tieredkv.plugins.tiered_attention import PAD_PAGE_INDEX
 
 #: the graphs an input or output belongs to: every graph, tiered graphs (--tiered-kv), graphs
 #: with a warm codec (--warm-codec); ``"runtime"``: none — what the runtime keeps from
@@ -172,27 +171,17 @@ def step_feeds(cache, *, tiered_graph: bool, warm_codec: str | None = None) -> S
     accounted when attended (:func:`finish_step`), as if the kernel fetched them on demand.
     """
     mgr, plan, table = cache.mgr, cache.plan, cache.mgr.table
-    seqs, L, T = plan.seqs, mgr.L, plan.num_new
+    L, T = mgr.L, plan.num_new
     stage_missing = not plan.decode or cache.config.selection.mode == "exact"
-    B, M = len(seqs), max(len(s.recs) for s in seqs)
-    index = torch.full((B, M), PAD_PAGE_INDEX, dtype=torch.long)
-    tokens = torch.zeros(B, M, dtype=torch.long)
-    pinned = torch.zeros(B, M, dtype=torch.bool)
-    valid = torch.zeros(B, M, dtype=torch.bool)
-    recs = torch.zeros(B, M, dtype=torch.long)
-    for b, s in enumerate(seqs):
-        n = len(s.recs)
-        index[b, :n], tokens[b, :n], pinned[b, :n], valid[b, :n] = s.index, s.tokens, s.t0, True
-        recs[b, :n], recs[b, n:] = s.recs, s.recs[0]
+    B, M = plan.batch, plan.width
+    index, tokens, pinned, valid, recs = plan.index, plan.tokens, plan.t0, plan.valid, plan.recs
     flat = recs.flatten()
     device_slot = table.device_slot[:, flat].view(L, B, M)
     warm_slot = table.warm_slot[:, flat].view(L, B, M)
     full = (device_slot >= 0) & valid
-    exact = torch.zeros_like(full)  # warm.exact_reads: staged from the exact copy, not read through the codec
-    n_exact = cache.config.warm.reads_exact(cache.config.selection.mode) if plan.decode and mgr.warm is not None else 0
-    if n_exact:
-        for b, s in enumerate(seqs):
-            exact[:, b, : len(s.recs)] = mgr.exact_read_choice(slice(None), s.rows, n_exact)
+    # warm.exact_reads: staged from the exact copy, not read through the codec (the pages the PyTorch backend reads)
+    choice = cache.layers.exact_choice
+    exact = torch.zeros_like(full) if choice is None else choice.cpu()
     warm_in_graph = (warm_slot >= 0) & valid & ~exact if warm_codec is not None else torch.zeros_like(full)
     stage = valid & ~full & ~warm_in_graph & ((warm_slot >= 0) | stage_missing)
     page_table = torch.where(full, device_slot, torch.zeros_like(device_slot))
@@ -207,11 +196,10 @@ def step_feeds(cache, *, tiered_graph: bool, warm_codec: str | None = None) -> S
             k_pool, v_pool = torch.cat([k_pool.float(), k_staged]), torch.cat([v_pool.float(), v_staged])
         k_pools.append(k_pool.float())
         v_pools.append(v_pool.float())
-    write_recs = torch.stack([s.write_recs for s in seqs])  # [B, T]
-    feeds = StepFeeds(seq_len=torch.tensor([s.seq_len for s in seqs]), page_index=index, page_table=page_table,
+    feeds = StepFeeds(seq_len=plan.seq_len, page_index=index, page_table=page_table,
                       page_mask=full | stage | warm_in_graph,
-                      write_slot=table.device_slot[:, write_recs.flatten()].view(L, B, T),
-                      write_offset=torch.stack([s.write_offsets for s in seqs]), k_pool=k_pools, v_pool=v_pools,
+                      write_slot=table.device_slot[:, plan.write_recs].view(L, B, T),
+                      write_offset=plan.write_offsets.view(B, T), k_pool=k_pools, v_pool=v_pools,
                       exact_reads=exact)
     if warm_codec is not None:
         feeds.page_warm_row = torch.where(warm_in_graph, warm_slot, torch.full_like(warm_slot, -1))
@@ -245,22 +233,21 @@ def _warm_pool(cache, layer: int, warm_codec: str) -> torch.Tensor:
 
 def finish_step(cache, step, feeds: StepFeeds, outputs: StepOutputs) -> None:
     """Finish the cache's open step from the graph's outputs: write the new K/V of every layer,
-    record each layer's access from the graph's selection, relevance and attention mass (a
+    record every layer's access from the graph's selection, relevance and attention mass (a
     plain graph attends every page in its pool: the cache has no budget), close the step."""
     plan, L = cache.plan, cache.mgr.L
     for layer in range(L):
         cache.store(layer, outputs.k_new[layer], outputs.v_new[layer])
-    tiered = outputs.page_selected is not None
-    for layer in range(L):
-        for b, seq in enumerate(plan.seqs):
-            n = len(seq.recs)
-            if tiered:
-                selected = outputs.page_selected[layer, b, :n]
-                relevance, mass = outputs.page_relevance[layer, b, :n], outputs.page_mass[layer, b, :n]
-            else:
-                selected, relevance, mass = torch.ones(n, dtype=torch.bool), torch.zeros(n), torch.zeros(n)
-            attended = selected & feeds.page_mask[layer, b, :n]
-            exact = feeds.exact_reads[layer, b, :n] & attended if feeds.exact_reads is not None else None
-            cache.record(layer, seq, decode=plan.decode, selected=selected, attended=attended, relevance=relevance,
-                         mass=mass, exact=exact if exact is not None and exact.any() else None)
+    rec, valid = cache.layers.rec, plan.valid.unsqueeze(0)
+    if outputs.page_selected is not None:
+        selected = outputs.page_selected.to(torch.bool) & valid
+        rec.relevance = outputs.page_relevance.float().to(rec.relevance.device)
+        rec.mass = outputs.page_mass.float().to(rec.mass.device)
+    else:
+        selected = valid.expand(L, -1, -1)
+    rec.selected = selected.to(rec.selected.device)
+    attended = selected & feeds.page_mask
+    rec.attended = attended.to(rec.attended.device)
+    if rec.exact is not None:
+        rec.exact = (feeds.exact_reads & attended).to(rec.exact.device)
     cache.end_step(step)

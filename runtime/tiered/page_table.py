@@ -36,12 +36,14 @@ HIST_BITS = 62
 HIST_MASK = (1 << HIST_BITS) - 1
 
 
-def column(dtype: torch.dtype, fill: Any, *, per_layer: bool = True, new: Any = None, summary: bool = False) -> Any:
+def column(dtype: torch.dtype, fill: Any, *, per_layer: bool = True, new: Any = None, summary: bool = False,
+           scorer: bool = False) -> Any:
     """A column of the table: [R] (``per_layer=False``) or [L, R] (+ [KVH, D] for a key
     ``summary``) of ``dtype``; a free record holds ``fill``, a record just handed out ``new``
-    (default: ``fill``)."""
+    (default: ``fill``). ``scorer``: what the scorer reads inside a step, kept where the device
+    tier lives (``summary_device``); every other column lives on the host."""
     return field(default=None, metadata={"dtype": dtype, "fill": fill, "new": fill if new is None else new,
-                                         "per_layer": per_layer, "summary": summary})
+                                         "per_layer": per_layer, "summary": summary, "scorer": scorer})
 
 
 def _hot_bounds(seq_len: int, page_size: int, sink_tokens: int, recent_tokens: int) -> tuple[int, int, int]:
@@ -85,6 +87,8 @@ class PageTable:
     kv_heads: int
     head_dim: int
     page_size: int
+    #: where the columns the scorer reads live (the device tier's device)
+    summary_device: str | torch.device = "cpu"
     # per record [R]
     refs: torch.Tensor = column(torch.long, 0, per_layer=False)  # sequences listing the record (+1 if cached)
     cached: torch.Tensor = column(torch.bool, False, per_layer=False)  # held by the prefix index
@@ -109,9 +113,9 @@ class PageTable:
     prefetched: torch.Tensor = column(torch.bool, False)  # brought in by the prefetcher, not needed since
     staged: torch.Tensor = column(torch.bool, False)  # prefetched into the staging area for the next decode step
     # key summaries the scorer reads
-    kmin: torch.Tensor = column(torch.float32, INF, summary=True)
-    kmax: torch.Tensor = column(torch.float32, -INF, summary=True)
-    sal_sum: torch.Tensor = column(torch.float32, 0.0)  # summed saliency of the page's tokens
+    kmin: torch.Tensor = column(torch.float32, INF, summary=True, scorer=True)
+    kmax: torch.Tensor = column(torch.float32, -INF, summary=True, scorer=True)
+    sal_sum: torch.Tensor = column(torch.float32, 0.0, scorer=True)  # summed saliency of the page's tokens
     # sequences
     seq_pages: dict[int, list[int]] = field(default_factory=dict)
     seq_len: dict[int, int] = field(default_factory=dict)
@@ -135,7 +139,8 @@ class PageTable:
         shape = (self.num_layers, n) if meta["per_layer"] else (n,)
         if meta["summary"]:
             shape += (self.kv_heads, self.head_dim)
-        return torch.full(shape, meta["fill"] if value is None else value, dtype=meta["dtype"])
+        device = self.summary_device if meta["scorer"] else "cpu"
+        return torch.full(shape, meta["fill"] if value is None else value, dtype=meta["dtype"], device=device)
 
     @property
     def capacity(self) -> int:

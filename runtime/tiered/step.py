@@ -1,6 +1,13 @@
-"""What crosses the boundary between the tiered cache and its TierManager during a step:
-the open step's plan (:class:`StepPlan`, a :class:`SeqStep` per sequence) and its access
-record (:class:`StepAccess`)."""
+"""What crosses the boundary between the tiered cache and its TierManager during a step.
+
+A step is planned once for every sequence and layer (:class:`StepPlan`: [B, M] tensors of the
+listed pages), runs its layers as tensor ops, and is accounted once (:class:`StepRecord`:
+[L, B, M] tensors of what each layer selected, attended and observed), which the manager
+folds into its [L, R] access record (:class:`StepAccess`) and statistics.
+
+Dimensions: L layers, B sequences in the step, M listed pages (the longest sequence's; a
+shorter sequence's row is padded: ``valid`` is False there), R page records.
+"""
 
 from __future__ import annotations
 
@@ -42,33 +49,77 @@ TIER_CODES = {"device": 0, "warm": 1, "host": 2, "disk": 3}
 
 
 @dataclass(frozen=True)
-class SeqStep:
-    """One sequence's part of the open step: its records in logical order and where the
-    step's new tokens go."""
-
-    seq: int
-    recs: torch.Tensor  # [M] the sequence's records, logical order
-    rows: slice | torch.Tensor  # the same records as an index of [L, R] columns (a slice when consecutive)
-    t0: torch.Tensor  # [M] bool: in T0 (attended whatever its score)
-    index: torch.Tensor  # [M] logical page index
-    tokens: torch.Tensor  # [M] tokens written in each page, the step's included
-    distance: torch.Tensor  # [M] from the last new token to each page's last token
-    write_recs: torch.Tensor  # [T] the record of each new token
-    write_offsets: torch.Tensor  # [T] its slot in that page
-    seq_len: int  # tokens after the step
-    past: int  # tokens before the step
-
-
-@dataclass(frozen=True)
 class StepPlan:
-    """The open step: every sequence's :class:`SeqStep`, and the new tokens' places in
-    (sequence, token) order."""
+    """The open step, for all its sequences at once (host tensors; the cache copies what its
+    layers read to the model's device once per step).
 
-    seqs: tuple[SeqStep, ...]
+    Row b is sequence ``seq_ids[b]``; its ``lengths[b]`` records are listed in logical order in
+    columns ``0 .. lengths[b] - 1``; the other columns are padding (``valid`` False, ``recs``
+    repeating the row's first record so every gather stays in range, ``index``
+    ``PAD_PAGE_INDEX``, ``tokens``, ``t0`` and ``distance`` 0)."""
+
+    seq_ids: tuple[int, ...]
     num_new: int
-    write_recs: torch.Tensor  # [B * T]
-    write_offsets: torch.Tensor  # [B * T]
+    lengths: tuple[int, ...]  # pages listed per sequence
+    recs: torch.Tensor  # [B, M] records
+    valid: torch.Tensor  # [B, M] bool
+    index: torch.Tensor  # [B, M] logical page index
+    tokens: torch.Tensor  # [B, M] tokens written in each page, the step's included
+    t0: torch.Tensor  # [B, M] bool: in T0 (attended whatever its score)
+    distance: torch.Tensor  # [B, M] from the last new token to each page's last token
+    seq_len: torch.Tensor  # [B] tokens after the step
+    past: torch.Tensor  # [B] tokens before the step
+    write_recs: torch.Tensor  # [B * T] the record of each new token, (sequence, token) order
+    write_offsets: torch.Tensor  # [B * T] its slot in that page
 
     @property
     def decode(self) -> bool:
         return self.num_new == 1
+
+    @property
+    def batch(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def width(self) -> int:
+        """M: the listed columns of every row."""
+        return self.recs.shape[1]
+
+    @property
+    def candidates(self) -> torch.Tensor:
+        """[B, M] the pages that compete for the attention budget: the valid pages outside T0
+        (all valid pages of a row whose pages are all T0)."""
+        free = self.valid & ~self.t0
+        return torch.where(free.any(1, keepdim=True), free, self.valid)
+
+    def row(self, b: int) -> torch.Tensor:
+        """The records of row b, in logical order [lengths[b]]."""
+        return self.recs[b, : self.lengths[b]]
+
+
+@dataclass
+class StepRecord:
+    """What a step's layers did with the listed pages, [L, B, M] (the plan's columns), handed
+    to the manager once per step (``TierManager.record_step``).
+
+    ``relevance``: the scorer's estimate where a layer scored its pages (0 elsewhere); the
+    cache replaces it with the observed attention share where the page was attended before
+    mixing ``importance``. ``exact``: warm pages read from their exact copy (``warm.exact_reads``),
+    None when there were none. ``resident`` / ``staged``: residency when each layer attended
+    (None: as the table holds it at the step's end — nothing moved during the step)."""
+
+    selected: torch.Tensor  # bool
+    attended: torch.Tensor  # bool
+    relevance: torch.Tensor | None  # float (None: the mass stands for it)
+    mass: torch.Tensor  # float: attention mass per page (mean over query heads, sum over queries)
+    importance: torch.Tensor | None = None  # float: what the manager keeps between steps
+    exact: torch.Tensor | None = None  # bool
+    full: torch.Tensor | None = None  # bool
+    warm: torch.Tensor | None = None  # bool
+    staged: torch.Tensor | None = None  # bool
+
+    @classmethod
+    def empty(cls, num_layers: int, plan: StepPlan) -> "StepRecord":
+        shape = (num_layers, *plan.recs.shape)
+        return cls(torch.zeros(shape, dtype=torch.bool), torch.zeros(shape, dtype=torch.bool), torch.zeros(shape),
+                   torch.zeros(shape))

@@ -17,7 +17,7 @@ import torch
 from tieredkv.errors import ConfigError, DataFileError, short
 from tieredkv.runtime.tiered.config import TieredKVConfig, resolve_budgets
 from tieredkv.runtime.tiered.manager import TierManager
-from tieredkv.runtime.tiered.step import StepAccess
+from tieredkv.runtime.tiered.step import StepAccess, StepRecord
 from tieredkv.runtime.tiered.metrics import TierMetrics
 from tieredkv.runtime.tiered.page_table import PageTable
 from tieredkv.runtime.tiered.policies import make_policy
@@ -216,19 +216,20 @@ def replay(trace: AccessTrace, config: TieredKVConfig, *, token_bytes_per_layer:
     everything = slice(None)
     for i, s in enumerate(trace.steps):
         current["step"] = i
-        (seq,) = mgr.begin_step((0,), s.num_new).seqs
-        m = len(seq.recs)
+        plan = mgr.begin_step((0,), s.num_new)
+        recs = plan.row(0)
+        m = len(recs)
         if prefetcher is not None and s.decode and predictor.lead == "layer":
             if s.spec is None:
                 raise ValueError(f"predictor {predictor.name!r} needs a log recorded with speculation (spec)")
             spec = torch.full(mgr.table.device_slot.shape, float("nan"))
-            spec[:, seq.recs] = s.spec[:, :m].float()
+            spec[:, recs] = s.spec[:, :m].float()
             prefetcher.within_step(mgr, spec)
         needed = s.needed[:, :m]
-        selected = needed | seq.t0 if s.decode else torch.ones_like(needed)
-        attended = mgr.attended(everything, seq, selected, decode=s.decode)
-        mgr.record_access(everything, seq, decode=s.decode, selected=selected, attended=attended,
-                          importance=s.importance[:, :m], mass=s.mass[:, :m])
+        selected = (needed | plan.t0[0] if s.decode else torch.ones_like(needed)).unsqueeze(1)  # [L, 1, M]
+        mgr.record_step(plan, StepRecord(selected=selected, attended=mgr.attended(everything, plan, selected),
+                                         relevance=None, mass=s.mass[:, :m].unsqueeze(1),
+                                         importance=s.importance[:, :m].unsqueeze(1)))
         mgr.end_step(decode=s.decode)
     mgr.close()
     return mgr.metrics

@@ -139,21 +139,21 @@ def test_warm_engine_feeds_read_the_encoded_pool(warm_backend):
         finish_step(cache, *run_step(tok))
     step, feeds, outputs = run_step(1)
     rows, exact, mgr = feeds.page_warm_row, feeds.exact_reads, cache.mgr
-    seq = cache.plan.seqs[0]
+    recs = cache.plan.row(0)
     assert (rows >= 0).any() and exact.any() and "exact_reads" not in feeds.as_dict()  # not a graph input
     for layer in range(mgr.L):
         assert feeds.warm_pool[layer].data_ptr() == mgr.warm.data[layer].data_ptr()
-        chosen = mgr.exact_read_choice(layer, seq.rows, 1)
+        chosen = mgr.exact_read_choice(layer, recs, 1)
         assert torch.equal(exact[layer, 0], chosen) and int(chosen.sum()) <= 1
-        assert (mgr.table.warm_slot[layer, seq.recs[chosen]] >= 0).all()
+        assert (mgr.table.warm_slot[layer, recs[chosen]] >= 0).all()
         # nothing else staged in exact mode: the chosen pages after the pool, read from their exact copy
         assert feeds.k_pool[layer].shape[0] == mgr.device.capacity + int(chosen.sum())
         assert (rows[layer, 0][chosen] == -1).all() and feeds.page_mask[layer, 0][chosen].all()
         slots = feeds.page_table[layer, 0][chosen]
         assert (slots >= mgr.device.capacity).all()
         if chosen.any():
-            k_exact, v_exact = mgr.read_pages(layer, seq.recs[chosen], torch.float32, exact=True)
-            k_int4, _ = mgr.read_pages(layer, seq.recs[chosen], torch.float32)
+            k_exact, v_exact = mgr.read_pages(layer, recs[chosen], torch.float32, exact=True)
+            k_int4, _ = mgr.read_pages(layer, recs[chosen], torch.float32)
             assert torch.equal(feeds.k_pool[layer][slots], k_exact) and torch.equal(feeds.v_pool[layer][slots], v_exact)
             assert not torch.equal(k_exact, k_int4)
     assert feeds.page_mask[rows >= 0].all()

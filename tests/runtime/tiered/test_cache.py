@@ -15,6 +15,7 @@ from tieredkv.runtime.paged import PagedKVCache
 from tieredkv.runtime.sampling import SamplingParams
 from tieredkv.runtime.tiered.cache import TieredKVCache
 from tieredkv.runtime.tiered.config import TieredKVConfig
+from tieredkv.runtime.tiered.layer_step import LayerStep
 from tieredkv.runtime.tiered.policies import POLICIES
 
 LIVE_POLICIES = sorted(n for n, p in POLICIES.items() if not p.needs_trace)
@@ -444,7 +445,7 @@ def test_exact_mode_logits_do_not_depend_on_a_co_running_sequence(device_tokens)
         assert m.streamed_pages > 0 and m.evicted_pages > 0  # the budget binds
 
 
-def test_kv_head_selection(ref_tokens):
+def test_kv_head_selection(ref_tokens, monkeypatch):
     """selection_aggregate = "kv-head": unlimited budgets equal the paged cache; under an
     attention budget every kv head attends at most the budget (T0 included), the pages fetched
     are the union of the heads' selections, and the cache keeps its invariants."""
@@ -453,14 +454,15 @@ def test_kv_head_selection(ref_tokens):
     cfg = TieredKVConfig(device_budget="30%", attention_budget="20%", selection_aggregate="kv-head", **SMALL)
     cache = TieredKVCache(MODEL.kv_spec(), cfg, full_tokens=200)
     seen = []
-    inner = cache._attend_pages
+    inner = LayerStep.gather_and_attend
 
-    def spy(layer, q, seq, attended, *, heads=None, **kw):
+    def spy(self, layer, q, selected, attended, heads, exact):
         if heads is not None:  # decode steps (prefill attends every page with every head)
-            seen.append((attended.clone(), heads.clone(), seq.t0.clone()))
-        return inner(layer, q, seq, attended, heads=heads, **kw)
+            n = self.plan.lengths[0]
+            seen.append((attended[0, :n].clone(), heads[0, :, :n].clone(), self.t0[0, :n].clone()))
+        return inner(self, layer, q, selected, attended, heads, exact)
 
-    cache._attend_pages = spy
+    monkeypatch.setattr(LayerStep, "gather_and_attend", spy)
     tokens = torch.randint(0, 512, (180,), generator=torch.Generator().manual_seed(4))
     sid = cache.add_sequence()
     prefill(MODEL, cache, sid, tokens[:150], chunk_size=64)
@@ -479,7 +481,7 @@ def test_kv_head_selection(ref_tokens):
     assert wider  # the heads disagree: the union is larger than one head's budget
 
 
-def test_dense_layers_attend_every_page():
+def test_dense_layers_attend_every_page(monkeypatch):
     """dense_layers = n: layers below n attend every page, the others select within the budget;
     dense_layers = L gives the logits of an unlimited attention budget."""
     tokens = torch.randint(0, 512, (180,), generator=torch.Generator().manual_seed(4))
@@ -489,14 +491,14 @@ def test_dense_layers_attend_every_page():
         sid = cache.add_sequence()
         prefill(MODEL, cache, sid, tokens[:150], chunk_size=64)
         needed = []
-        inner = cache.record
+        inner = LayerStep.record
 
-        def spy(layer, seq, **k):
-            if k["decode"]:
-                needed.append((layer, int(k["attended"].sum()), len(seq.recs)))
-            return inner(layer, seq, **k)
+        def spy(self):
+            if self.decode:
+                needed.extend((layer, int(a.sum()), self.plan.lengths[0]) for layer, a in enumerate(self.rec.attended))
+            return inner(self)
 
-        cache.record = spy
+        monkeypatch.setattr(LayerStep, "record", spy)
         out = prefill(MODEL, cache, sid, tokens[150:160], start_pos=150, chunk_size=1, all_logits=True)
         cache.mgr.check_invariants()
         return out, needed

@@ -13,6 +13,7 @@ from tieredkv.models.llama import prefill
 from tieredkv.plugins.codec import CODECS, decode_pages, encode_pages, page_bytes
 from tieredkv.runtime.paged import PagedKVCache
 from tieredkv.runtime.tiered.cache import TieredKVCache
+from tieredkv.runtime.tiered.layer_step import LayerStep
 from tieredkv.runtime.tiered.config import TieredKVConfig, resolve_budgets
 
 SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2)
@@ -241,16 +242,17 @@ def test_exact_reads_take_the_warm_pages_most_relevant_last_step_and_count_their
     their last step (and no other page) are read exact where attended, and each costs one page
     of host-to-device bytes instead of a warm decode."""
     seen = []
-    inner = TieredKVCache._exact_reads
+    inner = LayerStep.gather_and_attend
 
-    def spy(self, layer, seq, attended):
-        exact = inner(self, layer, seq, attended)
-        t = self.mgr.table
-        warm = (t.device_slot[layer, seq.rows] < 0) & (t.warm_slot[layer, seq.rows] >= 0)
-        seen.append((exact, warm, attended, t.last_relevance[layer, seq.rows].clone()))
-        return exact
+    def spy(self, layer, q, selected, attended, heads, exact):
+        if self.decode:
+            t, rows = self.mgr.table, self.plan.row(0)
+            warm = (t.device_slot[layer, rows] < 0) & (t.warm_slot[layer, rows] >= 0)
+            got = None if exact is None or not exact.any() else exact[0].clone()
+            seen.append((got, warm, attended[0].clone(), t.last_relevance[layer, rows].clone()))
+        return inner(self, layer, q, selected, attended, heads, exact)
 
-    monkeypatch.setattr(TieredKVCache, "_exact_reads", spy)
+    monkeypatch.setattr(LayerStep, "gather_and_attend", spy)
     runs = {}
     for n in (0, 2):
         cache = warm_cache("int4", budget="30%", fraction=1.0, warm_exact_reads=n)

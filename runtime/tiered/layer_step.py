@@ -1,0 +1,260 @@
+"""The tiered cache's layers of one step, batched: every sequence of the step at once, tensor
+ops only — no Python per sequence or per page inside a layer.
+
+:meth:`LayerStep.open` turns the manager's :class:`StepPlan` into what the layers read, once per
+step, on the model's device: the listed pages' logical index, tokens, T0 flags and distances,
+the new tokens' device slots in every layer, the warm pages each layer reads exact, and the
+step's decisions that do not depend on a layer's query — whether any layer must select (an
+attention budget smaller than a sequence's pages), and the width of the compacted page list
+a selecting layer attends. Per layer (:meth:`LayerStep.attend`):
+
+1. *score* — only where the step selects (a decode step whose attention budget binds, outside
+   ``dense_layers``; or masked mode with pages off the device): ImportanceScore of every listed
+   page under the layer's query ([B, M]; [B, KVH, M] for the ``kv-head`` aggregate);
+2. *select* — SelectPages: T0 plus the top pages within the attention budget (every valid page
+   otherwise); masked mode attends the resident and staged ones;
+3. *gather* — the attended pages' K/V from the device pool by slot, compacted to the selected
+   columns in logical order; pages held only encoded are decoded, those off the device (exact
+   misses, prefill of demoted pages, ``warm.exact_reads``) read by the manager's one reader;
+4. *attend* — :func:`attend_pages`, which also gives each page's attention mass.
+
+What each layer did is kept in [L, B, M] buffers and handed to the manager once, at the end
+of the step (:meth:`LayerStep.record`). When the budgets hold the whole work — no selection,
+every page full precision on the device — a layer is a gather by slot and an attention, the
+paged cache's path.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tieredkv.plugins.importance_score import (RELEVANCE_ONLY, distance_bucket, importance_score, mix,
+                                               relevance_and_ranking)
+from tieredkv.plugins.select_pages import ATTEND_ALL, select_pages
+from tieredkv.runtime.tiered.step import StepPlan, StepRecord
+
+
+def attend_pages(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_mask: torch.Tensor,
+                 page_index: torch.Tensor, seq_len: torch.Tensor, past: torch.Tensor, *,
+                 allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """TieredAttention after the gather (``plugins.tiered_attention.attention_over_pages``'s
+    semantics, computed in float32), returning the output and each page's attention mass.
+
+    q [B, H, T, D]; k_pages, v_pages [B, M, KVH, P, D]; page_mask [B, M] bool (or [B, KVH, M]: a
+    mask per kv head); page_index, seq_len, past as in ``tiered_attention``; ``allowed``: their
+    :func:`allowed_keys` when the caller has it already. Returns out [B, H, T, D] (q's dtype;
+    zeros for a query that sees no key) and mass [B, M] float32: the attention probability on
+    each page, mean over the query heads, summed over the queries."""
+    b, h, t, d = q.shape
+    _, m, kvh, p, _ = k_pages.shape
+    g = h // kvh
+    if allowed is None:
+        allowed = allowed_keys(page_mask, page_index, seq_len, past, t, p)
+    k = k_pages.permute(0, 2, 1, 3, 4).reshape(b, kvh, m * p, d).float()
+    v = v_pages.permute(0, 2, 1, 3, 4).reshape(b, kvh, m * p, d).float()
+    logits = torch.matmul(q.float().reshape(b, kvh, g * t, d), k.transpose(-1, -2)).view(b, kvh, g, t, m * p)
+    logits = (logits * d ** -0.5).masked_fill_(~allowed, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a query that sees no key: all -inf -> nan -> 0
+    out = torch.matmul(probs.view(b, kvh, g * t, m * p), v).view(b, h, t, d).to(q.dtype)
+    mass = probs.view(b, kvh * g, t, m, p).sum(-1).mean(1).sum(1)
+    return out, mass
+
+
+def allowed_keys(page_mask: torch.Tensor, page_index: torch.Tensor, seq_len: torch.Tensor, past: torch.Tensor,
+                 num_queries: int, page_size: int) -> torch.Tensor:
+    """Which key slot each query may attend, [B, 1 or KVH, 1, T, M * P] bool: its page kept by
+    ``page_mask`` ([B, M] or [B, KVH, M]), inside the sequence, and causal."""
+    b, t, p = page_index.shape[0], num_queries, page_size
+    m = page_index.shape[1]
+    key_pos = (page_index.unsqueeze(-1) * p + torch.arange(p, device=page_index.device)).reshape(b, 1, m * p)
+    seen = (key_pos < seq_len.view(b, 1, 1)) & (key_pos <= past.view(b, 1, 1) + torch.arange(t, device=past.device)
+                                                .view(1, t, 1))  # [B, T, S]
+    keep = page_mask.repeat_interleave(p, dim=-1)  # [B, S] or [B, KVH, S]
+    if keep.dim() == 2:
+        return (seen & keep.unsqueeze(1)).view(b, 1, 1, t, m * p)
+    return (seen.unsqueeze(1) & keep.unsqueeze(2)).view(b, keep.shape[1], 1, t, m * p)
+
+
+class LayerStep:
+    """The open step's state on the layers' side (module docstring). ``cache``: the
+    :class:`~tieredkv.runtime.tiered.cache.TieredKVCache` whose step it is."""
+
+    def __init__(self, cache, plan: StepPlan) -> None:
+        mgr, t, config = cache.mgr, cache.mgr.table, cache.config
+        self.cache, self.mgr, self.plan = cache, mgr, plan
+        self.dev = dev = torch.device(cache.spec.device)
+        L, B, M = mgr.L, plan.batch, plan.width
+        self.decode = plan.decode
+        self.valid, self.t0, self.recs = plan.valid.to(dev), plan.t0.to(dev), plan.recs.to(dev)
+        self.index, self.tokens = plan.index.to(dev), plan.tokens.to(dev)
+        self.distance, self.seq_len, self.past = plan.distance.to(dev), plan.seq_len.to(dev), plan.past.to(dev)
+        self.candidates = plan.candidates.to(dev)
+        self.write_slots = t.device_slot[:, plan.write_recs].to(dev)  # written pages stay resident all step
+        budget = cache.budgets.attention_pages
+        self.budget = ATTEND_ALL if budget is None or not self.decode else budget
+        counts = torch.tensor(plan.lengths)
+        self.selecting = bool((counts > self.budget).any())
+        self.dense_layers = config.selection.dense_layers
+        # selected pages per row: every page, or T0 plus the budget's others (T0 alone when it exceeds it)
+        t0_counts = plan.t0.sum(1)
+        per_row = torch.minimum(counts, torch.maximum(torch.full_like(counts, self.budget), t0_counts))
+        self.width = M if config.selection.aggregate == "kv-head" else int(per_row.max())
+        masked = self.decode and config.selection.mode == "masked"
+        self.off = [False] * L  # masked mode: a layer lists pages it cannot attend (scored for the record)
+        if masked:
+            there = mgr.resident(slice(None), plan.recs) | t.staged[:, plan.recs]
+            self.off = ((~there) & plan.valid).flatten(1).any(1).tolist()
+        # full precision on the device in every layer: the gather needs no other reader
+        self.all_full = bool((t.device_slot[:, plan.recs] >= 0)[:, plan.valid].all())
+        n_exact = config.warm.reads_exact(config.selection.mode) if self.decode and mgr.warm is not None else 0
+        self.exact_choice = (mgr.exact_read_choice(slice(None), plan.recs, n_exact, plan.valid).to(dev)
+                             if n_exact else None)
+        self._allowed_all = None  # the keys every query may see when a layer attends every page
+        self.moves_inside = cache._speculate  # a layer-ahead prefetch may move pages during the step
+        self.rec = StepRecord.empty(L, plan)
+        for name in ("selected", "attended", "relevance", "mass"):
+            setattr(self.rec, name, getattr(self.rec, name).to(dev))
+        if self.exact_choice is not None:
+            self.rec.exact = torch.zeros(L, B, M, dtype=torch.bool, device=dev)
+        if self.moves_inside:
+            self.rec.full, self.rec.warm, self.rec.staged = (torch.zeros(L, B, M, dtype=torch.bool) for _ in range(3))
+
+    # ------------------------------------------------------------------ per layer
+    def scores(self, layer: int) -> bool:
+        """Whether ``layer`` ranks its pages this step (a decode step that selects, or leaves
+        pages unattended in masked mode)."""
+        return self.decode and ((self.selecting and layer >= self.dense_layers) or self.off[layer])
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Score, select, gather and attend one layer for every sequence: q [B, H, T, D] ->
+        out [B, H, T, D]; what it did goes to the step's record."""
+        mgr, m = self.mgr, self.mgr.metrics
+        t_score = time.perf_counter()
+        heads = relevance = None
+        if self.scores(layer):
+            relevance, ranking = self.rank(layer, q[:, :, -1])
+            t_select = time.perf_counter()
+            heads = self.select(layer, ranking)  # [B, M], or [B, KVH, M]: per kv head
+            selected = heads if heads.dim() == 2 else heads.any(1)
+            if heads.dim() == 2:
+                heads = None
+        else:
+            t_select = time.perf_counter()
+            selected = self.valid
+        attended = self.where_attended(layer, selected)
+        exact = None
+        if self.exact_choice is not None:
+            exact = self.exact_choice[layer] & attended
+            if self.moves_inside:
+                exact &= mgr.warm_only(layer, self.plan.recs).to(self.dev)
+        t_attend = time.perf_counter()
+        out, mass = self.gather_and_attend(layer, q, selected, attended, heads, exact)
+        rec = self.rec
+        rec.selected[layer], rec.attended[layer], rec.mass[layer] = selected, attended, mass
+        if relevance is not None:
+            rec.relevance[layer] = relevance
+        if exact is not None:
+            rec.exact[layer] = exact
+        m.scorer_seconds += t_select - t_score
+        m.select_seconds += t_attend - t_select
+        m.attention_seconds += time.perf_counter() - t_attend
+        return out
+
+    def score_inputs(self, layer: int, q: torch.Tensor) -> tuple:
+        """ImportanceScore's inputs for the listed pages of ``layer`` under queries q [B, H, D]."""
+        kmin, kmax, saliency = self.mgr.summaries(layer, self.recs, self.tokens)
+        return (q, kmin, kmax, self.tokens, self.distance, saliency, self.candidates,
+                self.cache.scorer.position[layer])
+
+    def rank(self, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the relevance [B, M], the selection ranking) of the listed pages under q [B, H, D]:
+        the relevance is estimated among the pages that compete for the budget (T0 is attended
+        anyway, and its sink pages would dominate the normalization)."""
+        selection = self.cache.config.selection
+        return relevance_and_ranking(*self.score_inputs(layer, q), selection.weights, aggregate=selection.aggregate)
+
+    def relevance_ahead(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The relevance [B, M] of ``layer``'s pages under the previous layer's queries q [B, H, D]
+        (the cross-layer predictor's input, the access log's ``spec``)."""
+        return importance_score(*self.score_inputs(layer, q), RELEVANCE_ONLY)
+
+    def select(self, layer: int, score: torch.Tensor) -> torch.Tensor:
+        """SelectPages: T0 plus the top pages by ``score`` within the attention budget — every
+        page in the first ``dense_layers`` layers. ``score`` [B, M], or [B, KVH, M] for the
+        kv-head selection, which then selects per kv head."""
+        budget = ATTEND_ALL if layer < self.dense_layers else self.budget
+        m = score.shape[-1]
+        rows = score.reshape(-1, m)
+        per = rows.shape[0] // self.valid.shape[0]
+        valid = self.valid.repeat_interleave(per, dim=0)
+        t0 = self.t0.repeat_interleave(per, dim=0)
+        picked = select_pages(rows, valid, t0, torch.full((rows.shape[0],), budget, device=rows.device))
+        return picked.reshape(score.shape)
+
+    def where_attended(self, layer: int, selected: torch.Tensor) -> torch.Tensor:
+        """Of the selected pages, those the layer attends (masked mode: resident or staged)."""
+        if not self.off[layer]:
+            return selected
+        return self.mgr.attended(layer, self.plan, selected.cpu()).to(self.dev)
+
+    def gather_and_attend(self, layer: int, q: torch.Tensor, selected: torch.Tensor, attended: torch.Tensor,
+                          heads: torch.Tensor | None, exact: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attended pages' K/V, compacted to the selected columns (logical order kept), and
+        the attention over them: (out, mass [B, M], 0 where not attended)."""
+        mgr, t, plan = self.mgr, self.mgr.table, self.plan
+        B, M = plan.batch, plan.width
+        cols = None
+        if self.width < M and layer >= self.dense_layers:
+            cols = torch.sort((~selected).to(torch.int8), dim=1, stable=True).indices[:, : self.width]
+        dslot = t.device_slot[layer, plan.recs].to(self.dev)
+        if self.moves_inside:  # residency as this layer saw it
+            self.rec.full[layer] = dslot.cpu() >= 0
+            self.rec.warm[layer] = mgr.warm_only(layer, plan.recs)
+            self.rec.staged[layer] = t.staged[layer, plan.recs]
+        pick = (lambda x: x) if cols is None else (lambda x: x.gather(-1, cols if x.dim() == 2 else
+                                                                      cols.unsqueeze(1).expand(-1, x.shape[1], -1)))
+        dslot, att = pick(dslot), pick(attended)
+        width = dslot.shape[1]
+        pool_k, pool_v = mgr.device.k[layer], mgr.device.v[layer]
+        k = pool_k.index_select(0, dslot.clamp(min=0).flatten()).view(B, width, *pool_k.shape[1:])
+        v = pool_v.index_select(0, dslot.clamp(min=0).flatten()).view(B, width, *pool_v.shape[1:])
+        if not self.all_full or exact is not None:
+            other = att & (dslot < 0)  # warm pages decoded, off-device pages (and exact reads) from the host / disk
+            if bool(other.any()):
+                rows, cc = other.nonzero(as_tuple=True)
+                recs = pick(self.recs)[rows, cc].cpu()
+                ex = False if exact is None else pick(exact)[rows, cc].cpu()
+                k_o, v_o = mgr.read_pages(layer, recs, pool_k.dtype, exact=ex)
+                k[rows, cc], v[rows, cc] = k_o.to(k.device), v_o.to(v.device)
+        allowed = None
+        if cols is None and heads is None and attended is self.valid:  # every page: the same keys in every layer
+            if self._allowed_all is None:
+                self._allowed_all = allowed_keys(self.valid, self.index, self.seq_len, self.past, q.shape[2],
+                                                 pool_k.shape[2])
+            allowed = self._allowed_all
+        page_mask = att if heads is None else pick(heads) & att.unsqueeze(1)
+        out, mass = attend_pages(q, k, v, page_mask, pick(self.index), self.seq_len, self.past, allowed=allowed)
+        if cols is not None:
+            mass = torch.zeros(B, M, device=mass.device).scatter_(1, cols, mass)
+        return out, mass
+
+    # ------------------------------------------------------------------ the step's end
+    def record(self) -> StepRecord:
+        """The step's record for the manager (host tensors): the relevance — the observed
+        attention share where a page was attended (normalized so the row's top page is 1), the
+        scorer's estimate elsewhere — and the importance kept between steps, mixed from it, the
+        position signal and the saliency with ``score_weights``."""
+        rec, cache = self.rec, self.cache
+        attended, mass = rec.attended, rec.mass
+        top = torch.where(attended, mass, torch.zeros_like(mass)).amax(-1, keepdim=True).clamp(min=1e-30)
+        relevance = torch.where(attended, mass / top, rec.relevance)
+        position = cache.scorer.position.detach()
+        pos = position[:, distance_bucket(self.distance, position.shape[1])].clamp(0.0, 1.0)  # [L, B, M]
+        saliency = self.mgr.saliency(slice(None), self.recs, self.tokens)
+        importance = mix(cache.config.migration.score_weights, relevance, pos, saliency)
+        host = lambda x: None if x is None else x.detach().cpu()  # noqa: E731
+        return StepRecord(selected=host(rec.selected), attended=host(attended), relevance=host(relevance),
+                          mass=host(mass), importance=host(importance), exact=host(rec.exact), full=rec.full,
+                          warm=rec.warm, staged=rec.staged)

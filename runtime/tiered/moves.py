@@ -1,0 +1,293 @@
+"""Page moves of the TierManager: the one reader of pages, and every copy between tiers —
+write-back to the host, eviction, demand admission, room-making by the replacement policy,
+the bounded host tier's spill to disk (T4) and disk read-ahead.
+
+A mixin of :class:`~tieredkv.runtime.tiered.manager.TierManager` (its state: ``table``,
+``device`` / ``host`` / ``disk`` / ``warm`` pools, ``metrics``, ``policy``, ``transfers``); every
+move is a handful of vectorized ops over (layer, record) pairs, never a loop over pages.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from tieredkv.errors import KVCacheFullError
+from tieredkv.runtime.tiered.policies import PageStats
+from tieredkv.runtime.tiered.store import _rank_within_groups
+
+INF = float("inf")
+
+
+class PageMoves:
+    def _release(self, freed: torch.Tensor) -> None:
+        """Records nobody holds any more give back every slot of every tier."""
+        if len(freed) == 0:
+            return
+        self._settle()
+        self._unprefetch(slice(None), freed)
+        for pool, slots in self._pools():
+            if pool is None:
+                continue
+            sub = slots[:, freed]
+            layers, cols = (sub >= 0).nonzero(as_tuple=True)
+            pool.release(layers, sub[layers, cols])
+            slots[:, freed] = -1
+            if pool is self.device:
+                self.metrics.released_pages += len(layers)
+            elif pool is self.warm:
+                self.metrics.released_warm_pages += len(layers)
+        self.table.release(freed)
+
+    def _drop_copies(self, recs: torch.Tensor) -> None:
+        """Pages about to change give up their copies in the warm, host and disk tiers."""
+        self._settle()
+        layers = torch.arange(self.L).repeat_interleave(len(recs))
+        self.metrics.warm_drops += self._drop_warm(layers, recs.repeat(self.L))
+        for pool, slots in self._pools()[2:]:  # host, disk
+            if pool is None:
+                continue
+            sub = slots[:, recs]
+            layers, cols = (sub >= 0).nonzero(as_tuple=True)
+            if len(layers):
+                pool.release(layers, sub[layers, cols])
+                slots[layers, recs[cols]] = -1
+
+    def read_pages(self, layers: int | torch.Tensor, recs: torch.Tensor, dtype: torch.dtype, *,
+                   exact: bool | torch.Tensor = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [N, KVH, P, D] of pages (``layers``, ``recs``) in ``dtype``, from whichever tier
+        holds them: the device pool, the warm pool decoded (``exact``: their host / disk copy
+        instead — for every page, or [N] bool per page), else the host or disk copy. Counts
+        nothing: :meth:`record_access` and :meth:`admit` account what a step reads and fetches."""
+        t = self.table
+        if self._pending:
+            self._settle()
+        dev = self.device.device  # the pages come back where the device pool lives
+        if isinstance(layers, int):
+            dslot = t.device_slot[layers].index_select(0, recs)
+            if bool((dslot >= 0).all()):  # the common case: a view of the pool, one gather
+                dslot = dslot.to(dev)
+                return (self.device.k[layers].index_select(0, dslot).to(dtype),
+                        self.device.v[layers].index_select(0, dslot).to(dtype))
+            layers = torch.full_like(recs, layers)
+        k = torch.empty((len(recs), self.kv_heads, self.P, self.head_dim), dtype=dtype, device=dev)
+        v = torch.empty_like(k)
+        dslot, wslot, hslot = t.device_slot[layers, recs], t.warm_slot[layers, recs], t.host_slot[layers, recs]
+        full = dslot >= 0
+        warm = ~full & (wslot >= 0) & ~torch.as_tensor(exact)
+        on_host = ~full & ~warm & (hslot >= 0)
+        on_disk = ~full & ~warm & ~on_host
+        for where, read, slots, copy in ((full, self.device.read, dslot, False),
+                                         (warm, self.warm and self.warm.read, wslot, False),  # decoded on the device
+                                         (on_host, self.host.read, hslot, True),
+                                         (on_disk, self.disk and self.disk.read, None, True)):
+            idx = where.nonzero().flatten()
+            if not len(idx):
+                continue
+            if slots is None:  # the disk tier
+                slots = t.disk_slot[layers, recs]
+                if bool((slots[idx] < 0).any()):
+                    raise RuntimeError("internal: a page has no copy in any tier")  # the invariant tests guard this
+            ks, vs = read(layers[idx], slots[idx])
+            if copy:  # off the device: one batched copy per tier
+                ks, vs = self.transfers.to_device(ks, vs, dtype=dtype, pages=len(idx))
+            idx = idx.to(dev)
+            k.index_copy_(0, idx, ks.to(dtype))
+            v.index_copy_(0, idx, vs.to(dtype))
+        return k, v
+
+    def _count_h2d(self, pages: int, from_disk: int) -> None:
+        """Account ``pages`` pages copied host -> device, ``from_disk`` of them read from the disk tier."""
+        self.metrics.bytes_h2d += pages * self.page_bytes
+        self.metrics.bytes_disk_read += from_disk * self.page_bytes
+
+    def _ensure_host_room(self, need: torch.Tensor, leaving: torch.Tensor) -> None:
+        """Free host slots per layer [L] when the host budget is bounded: drop host copies of
+        device-resident pages first (no bytes move), then spill the lowest-priority host-only
+        pages to disk."""
+        if self.host.max_capacity is None:
+            return
+        short = (need - self.host.free()).clamp(min=0)
+        if not short.any():
+            return
+        t = self.table
+        prio = self.policy.priority(self._stats())
+        # 1) host copies of pages that stay resident: cheapest (they become dirty again)
+        cand = (t.host_slot >= 0) & (t.device_slot >= 0) & ~leaving
+        short = self._drop_host_copies(cand, prio, short, spill=False)
+        if short.any():
+            if self.disk is None:
+                raise KVCacheFullError(
+                    f"host budget ({self.host.max_capacity} pages per layer) is full and no disk tier (disk_path) "
+                    "is configured; a demoted page would be lost. Raise host_budget or set disk_path.")
+            cand = (t.host_slot >= 0) & (t.device_slot < 0)
+            self._drop_host_copies(cand, prio, short, spill=True)
+
+    def _spill(self, layers: torch.Tensor, recs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Pages onto the disk tier (T4)."""
+        slots = self.disk.alloc(layers, recs)
+        self.disk.write(layers, slots, k, v)
+        self.table.disk_slot[layers, recs] = slots
+        self.metrics.spilled_pages += len(recs)
+        self.metrics.bytes_disk_write += len(recs) * self.page_bytes
+
+    def _drop_host_copies(self, cand: torch.Tensor, prio: torch.Tensor, short: torch.Tensor, *, spill: bool):
+        self._settle()
+        t = self.table
+        layers, recs = self._lowest(cand, prio, short)
+        if len(recs):
+            if spill:  # a page read ahead from disk still has its disk copy: nothing to write
+                new = t.disk_slot[layers, recs] < 0
+                sl, sr = layers[new], recs[new]
+                if len(sr):
+                    self._spill(sl, sr, *self.host.read(sl, t.host_slot[sl, sr]))
+            self.host.release(layers, t.host_slot[layers, recs])
+            t.host_slot[layers, recs] = -1
+        got = torch.bincount(layers, minlength=self.L)
+        return (short - got).clamp(min=0)
+
+    def evict(self, layers: torch.Tensor, recs: torch.Tensor) -> None:
+        """Full-precision pages leave the device; dirty ones (no host/disk copy) are written
+        back first."""
+        if len(recs) == 0:
+            return
+        t = self.table
+        self._unprefetch(layers, recs)
+        self._write_back(layers, recs)
+        self.device.release(layers, t.device_slot[layers, recs])
+        t.device_slot[layers, recs] = -1
+        t.t1[layers, recs] = False
+        self.metrics.evicted_pages += len(recs)
+
+    def _write_back(self, layers: torch.Tensor, recs: torch.Tensor) -> None:
+        """Copy the dirty ones of these full-precision device pages to the host; when more
+        leave at once than a bounded host tier can take, the rest go on to the disk tier."""
+        t = self.table
+        dirty = (t.host_slot[layers, recs] < 0) & (t.disk_slot[layers, recs] < 0)
+        if not dirty.any():
+            return
+        dirty_layers, dirty_recs = layers[dirty], recs[dirty]
+        leaving = torch.zeros(self.L, t.capacity, dtype=torch.bool)
+        leaving[layers, recs] = True
+        self._ensure_host_room(torch.bincount(dirty_layers, minlength=self.L), leaving)
+        k, v = self.transfers.to_host(*self.device.read(dirty_layers, t.device_slot[dirty_layers, dirty_recs]),
+                                      pages=len(dirty_recs))
+        to_host = torch.ones(len(dirty_recs), dtype=torch.bool)
+        if self.host.max_capacity is not None:
+            rank, _ = _rank_within_groups(dirty_layers, self.L)
+            to_host = rank < self.host.free()[dirty_layers]
+        if to_host.any():
+            slots = self.host.alloc(dirty_layers[to_host], dirty_recs[to_host])
+            self.host.write(dirty_layers[to_host], slots, k[to_host], v[to_host])
+            t.host_slot[dirty_layers[to_host], dirty_recs[to_host]] = slots
+        if not to_host.all():  # _ensure_host_room guarantees a disk tier here
+            self._spill(dirty_layers[~to_host], dirty_recs[~to_host], k[~to_host], v[~to_host])
+        self.metrics.writebacks += len(dirty_recs)
+        self.metrics.bytes_d2h += len(dirty_recs) * self.page_bytes
+
+    def admit(self, layers: torch.Tensor, recs: torch.Tensor, *, already_streamed: torch.Tensor | None = None) -> None:
+        """Non-resident pages become resident (free slots must exist), copied exact from the
+        host or disk. Pages streamed this step adopt their staging copy: no second transfer is
+        counted."""
+        if len(recs) == 0:
+            return
+        t = self.table
+        self.metrics.warm_promotions += self._drop_warm(layers, recs)  # a warm copy gives way to the exact page
+        slots = self.device.alloc(layers, recs)
+        assert slots is not None, "admit() called without room"
+        fresh = torch.ones(len(recs), dtype=torch.bool) if already_streamed is None else ~already_streamed
+        from_disk = fresh & (t.host_slot[layers, recs] < 0)
+        k, v = self.read_pages(layers, recs, self.device.dtype, exact=True)
+        self._count_h2d(int(fresh.sum()), int(from_disk.sum()))
+        self.device.write(layers, slots, k, v)
+        t.device_slot[layers, recs] = slots
+        self.metrics.fetched_pages += len(recs)
+
+    def _unprefetch(self, layers, recs) -> None:
+        """Pages leaving the device (or freed) that the prefetcher brought in and no step used:
+        wasted prefetch."""
+        t = self.table
+        wasted = t.prefetched[layers, recs] | t.staged[layers, recs]
+        self.metrics.prefetch_wasted += int(wasted.sum())
+        t.prefetched[layers, recs] = False
+        t.staged[layers, recs] = False
+
+    def _read_ahead(self, layers: torch.Tensor, recs: torch.Tensor) -> int:
+        """Disk (T4) -> host copies of pages predicted further ahead, read on a worker thread
+        while the steps compute (the CPU backend's asynchronous copy path: host and "device"
+        are the same memory here, the disk is not). Only into free host slots or those of host
+        copies of resident pages (no bytes move); every reader of host or disk pages waits for
+        them first (:meth:`_settle`)."""
+        t = self.table
+        if self.host.max_capacity is not None:  # room: host copies of resident pages go first (no bytes move)
+            short = (torch.bincount(layers, minlength=self.L) - self.host.free()).clamp(min=0)
+            if short.any():
+                self._drop_host_copies((t.host_slot >= 0) & (t.device_slot >= 0),
+                                       self.policy.priority(self._stats()), short, spill=False)
+            rank, _ = _rank_within_groups(layers, self.L)
+            keep = rank < self.host.free()[layers]
+            layers, recs = layers[keep], recs[keep]
+        if len(recs) == 0:
+            return 0
+        slots = self.host.alloc(layers, recs)
+        t.host_slot[layers, recs] = slots
+        mm, rows, cols = self.disk.mm, t.disk_slot[layers, recs].numpy().copy(), layers.numpy().copy()
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tieredkv-t4-read")
+        self._pending.append((layers, slots, self._reader.submit(lambda: mm[rows, cols])))
+        self.metrics.disk_read_ahead_pages += len(recs)
+        self.metrics.bytes_disk_read += len(recs) * self.page_bytes
+        return len(recs)
+
+    def _settle(self) -> None:
+        """Write the pages read ahead from disk into their host slots (waits for the reads)."""
+        pending, self._pending = self._pending, []
+        for layers, slots, fut in pending:
+            data = fut.result()  # [N, 2, KVH, P, D]
+            self.host.write(layers, slots, self.disk._to_torch(data[:, 0]), self.disk._to_torch(data[:, 1]))
+
+    def close(self) -> None:
+        """Wait for the reads in flight and stop the reader thread (no buffer or thread left)."""
+        self._settle()
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
+        self.transfers.close()
+
+    def _stats(self) -> PageStats:
+        t = self.table
+        next_use = self.next_use(t) if self.next_use is not None else None
+        return PageStats(t.last_access, t.frequency, t.importance, t.acc_mass, t.index.expand(self.L, -1), next_use)
+
+    def _lowest(self, cand: torch.Tensor, prio: torch.Tensor, counts: torch.Tensor):
+        """The ``counts[l]`` lowest-priority candidates of each layer -> (layers, records)."""
+        counts = torch.minimum(counts, cand.sum(1))
+        k = int(counts.max()) if len(counts) else 0
+        if k == 0:
+            return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
+        p = prio.float().masked_fill(~cand, INF)
+        order = torch.topk(p, k, dim=1, largest=False, sorted=True).indices  # [L, k]
+        take = torch.arange(k).unsqueeze(0) < counts.unsqueeze(1)
+        layers = torch.arange(self.L).unsqueeze(1).expand(-1, k)[take]
+        return layers, order[take]
+
+    def _highest(self, cand: torch.Tensor, prio: torch.Tensor, counts: torch.Tensor):
+        return self._lowest(cand, -prio, counts)
+
+    def _candidates(self, protect: torch.Tensor | None) -> torch.Tensor:
+        """Full-precision resident pages that may leave the device: not T0, not ``protect``-ed."""
+        cand = (self.table.device_slot >= 0) & ~self.table.t0.unsqueeze(0)
+        return cand if protect is None else cand & ~protect
+
+    def _make_room(self, need: torch.Tensor, protect: torch.Tensor | None) -> torch.Tensor:
+        """Evict lowest-priority pages so that ``need[l]`` slots are free per layer; returns
+        the slots actually available per layer."""
+        if self.resident_cap is None:
+            return need
+        free = self.resident_cap - self.device.used()
+        short = (need - free).clamp(min=0)
+        if short.any():
+            layers, recs = self._lowest(self._candidates(protect), self.policy.priority(self._stats()), short)
+            self.demote(layers, recs, protect)
+        return torch.minimum(need, self.resident_cap - self.device.used())

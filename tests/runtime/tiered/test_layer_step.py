@@ -1,0 +1,107 @@
+"""The batched layer step: its attention equals the TieredAttention reference on awkward inputs,
+a step with nothing to decide does no tiering work, and one step over many sequences gives
+each sequence what it gets alone."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from helpers import SMALL_KV as SMALL, tiny_model
+from tieredkv.models.llama import decode_one_token, prefill
+from tieredkv.plugins.tiered_attention import PAD_PAGE_INDEX, attention_over_pages
+from tieredkv.runtime.tiered import layer_step
+from tieredkv.runtime.tiered.cache import TieredKVCache
+from tieredkv.runtime.tiered.config import TieredKVConfig
+from tieredkv.runtime.tiered.layer_step import attend_pages
+
+MODEL = tiny_model(seed=5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(1, 3), kvh=st.sampled_from([1, 2]), g=st.sampled_from([1, 3]), t=st.sampled_from([1, 4]),
+       m=st.integers(1, 6), p=st.sampled_from([1, 4, 5]), per_head=st.booleans(), seed=st.integers(0, 10**6))
+def test_attend_pages_equals_the_reference(b, kvh, g, t, m, p, per_head, seed):
+    """Output and per-page mass equal ``attention_over_pages`` (out; page_probs mean over heads,
+    summed over queries) for random pools, page orders, masks (rows with nothing kept), padding
+    columns, partial last pages and causal prefixes."""
+    gen = torch.Generator().manual_seed(seed)
+    d = 8
+    q = torch.randn(b, kvh * g, t, d, generator=gen)
+    k, v = torch.randn(b, m, kvh, p, d, generator=gen), torch.randn(b, m, kvh, p, d, generator=gen)
+    index = torch.stack([torch.randperm(m + 2, generator=gen)[:m] for _ in range(b)])
+    index[torch.rand(b, m, generator=gen) < 0.2] = PAD_PAGE_INDEX
+    seq_len = torch.randint(1, (m + 2) * p + 1, (b,), generator=gen)
+    past = (seq_len - t).clamp(min=0)
+    shape = (b, kvh, m) if per_head else (b, m)
+    mask = torch.rand(shape, generator=gen) < 0.7
+    want, _, probs = attention_over_pages(q, k, v, mask, index, seq_len, past, with_lse=False)
+    got, mass = attend_pages(q, k, v, mask, index, seq_len, past)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(mass, probs.mean(1).sum(1), atol=1e-5)
+
+
+def _decode(cache, steps=6, prompt=70):
+    tokens = torch.randint(0, 512, (prompt + steps,), generator=torch.Generator().manual_seed(1))
+    sid = cache.add_sequence()
+    prefill(MODEL, cache, sid, tokens[:prompt], chunk_size=32)
+    logits = []
+    for i in range(steps):
+        logits.append(decode_one_token(MODEL, cache, [sid], tokens[prompt + i : prompt + i + 1],
+                                       torch.tensor([prompt + i])))
+    return torch.cat(logits)
+
+
+def test_nothing_to_decide_costs_no_tiering_work(monkeypatch):
+    """A device budget that holds the work and no attention budget: no layer scores, selects or
+    reads a page through the manager's reader — a gather by slot and an attention, as the paged
+    cache does. With an attention budget that binds, the same step scores and selects."""
+    calls = {"rank": 0, "read": 0}
+    rank = layer_step.LayerStep.rank
+
+    def counting_rank(self, layer, q):
+        calls["rank"] += 1
+        return rank(self, layer, q)
+
+    monkeypatch.setattr(layer_step.LayerStep, "rank", counting_rank)
+    cache = TieredKVCache(MODEL.kv_spec(), TieredKVConfig(device_budget="10MiB", **SMALL), full_tokens=80)
+    reader = cache.mgr.read_pages
+
+    def counting_read(*a, **kw):
+        calls["read"] += 1
+        return reader(*a, **kw)
+
+    cache.mgr.read_pages = counting_read
+    _decode(cache)
+    assert calls == {"rank": 0, "read": 0} and cache.metrics.evicted_pages == 0
+    bound = TieredKVCache(MODEL.kv_spec(), TieredKVConfig(attention_budget=40, **SMALL), full_tokens=80)
+    _decode(bound)
+    assert calls["rank"] == 6 * MODEL.config.num_layers
+
+
+@pytest.mark.parametrize("budget", [None, "40%"])
+def test_a_step_of_many_sequences_gives_each_what_it_gets_alone(budget):
+    """Sequences of different lengths decoded in one step (padded rows, per-row selection under a
+    binding attention budget, exact misses read from the host) get the logits each gets alone."""
+    prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)) for n in (90, 33, 61)]
+    kw = {} if budget is None else dict(device_budget="60%", attention_budget=budget)
+
+    def run(group):
+        cache = TieredKVCache(MODEL.kv_spec(), TieredKVConfig(**kw, **SMALL), full_tokens=100,
+                              num_sequences=len(group))
+        sids = [cache.add_sequence() for _ in group]
+        last = [int(prefill(MODEL, cache, s, prompts[i], chunk_size=40).argmax()) for s, i in zip(sids, group)]
+        out = []
+        for step in range(5):
+            pos = torch.tensor([len(prompts[i]) + step for i in group])
+            logits = decode_one_token(MODEL, cache, sids, torch.tensor(last), pos)
+            last = logits.argmax(-1).tolist()
+            out.append(logits)
+        cache.mgr.check_invariants()
+        return torch.stack(out, 1), cache.metrics
+
+    together, m = run([0, 1, 2])
+    for row, i in enumerate((0, 1, 2)):
+        alone, _ = run([i])
+        assert (together[row] - alone[0]).abs().max().item() <= 1e-5
+    if budget is not None:
+        assert m.streamed_pages > 0 and m.evicted_pages > 0  # the budgets bind
