@@ -39,7 +39,8 @@ import torch
 
 from tieredkv.plugins.importance_score import importance_score
 from tieredkv.plugins.select_pages import select_pages
-from tieredkv.runtime.tiered.config import TieredKVConfig, resolve_budgets
+from tieredkv.runtime.tiered.budgets import resolve_budgets
+from tieredkv.runtime.tiered.config import TieredKVConfig
 from tieredkv.runtime.tiered.manager import TierManager
 from tieredkv.runtime.tiered.policies import POLICIES, make_policy
 from tieredkv.runtime.tiered.step import StepRecord

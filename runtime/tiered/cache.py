@@ -33,17 +33,17 @@ import torch
 
 from tieredkv.errors import ConfigError
 from tieredkv.models.cache import KVCache, KVSpec, Step
-from tieredkv.plugins.codec import CODECS
-from tieredkv.plugins.codec import page_bytes as codec_page_bytes
-from tieredkv.runtime.tiered.config import KV_DTYPES, TieredKVConfig, resolve_budgets
+from tieredkv.plugins.codec import CODECS, page_bytes as codec_page_bytes
+from tieredkv.runtime.tiered.budgets import resolve_budgets
+from tieredkv.runtime.tiered.config import KV_DTYPES, TieredKVConfig
 from tieredkv.runtime.tiered.layer_step import LayerStep
 from tieredkv.runtime.tiered.manager import TierManager
-from tieredkv.runtime.tiered.step import StepPlan
 from tieredkv.runtime.tiered.metrics import TierMetrics
 from tieredkv.runtime.tiered.policies import make_policy
 from tieredkv.runtime.tiered.prefetch import make_prefetcher
-from tieredkv.runtime.tiered.trace import AccessLogger
 from tieredkv.runtime.tiered.scorer import ImportanceScorer
+from tieredkv.runtime.tiered.step import StepPlan
+from tieredkv.runtime.tiered.trace import AccessLogger
 
 
 class TieredKVCache(KVCache):

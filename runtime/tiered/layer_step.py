@@ -91,7 +91,7 @@ class LayerStep:
         self.index, self.tokens = plan.index.to(dev), plan.tokens.to(dev)
         self.distance, self.seq_len, self.past = plan.distance.to(dev), plan.seq_len.to(dev), plan.past.to(dev)
         self.candidates = plan.candidates.to(dev)
-        self.write_slots = t.device_slot[:, plan.write_recs].to(dev)  # written pages stay resident all step
+        self.write_slots = t.device_slot.index_select(1, plan.write_recs).to(dev)  # resident all step
         budget = cache.budgets.attention_pages
         self.budget = ATTEND_ALL if budget is None or not self.decode else budget
         counts = torch.tensor(plan.lengths)
@@ -107,7 +107,7 @@ class LayerStep:
             there = mgr.resident(slice(None), plan.recs) | t.staged[:, plan.recs]
             self.off = ((~there) & plan.valid).flatten(1).any(1).tolist()
         # full precision on the device in every layer: the gather needs no other reader
-        self.all_full = bool((t.device_slot[:, plan.recs] >= 0)[:, plan.valid].all())
+        self.all_full = bool((t.device_slot.index_select(1, plan.recs[plan.valid]) >= 0).all())
         n_exact = config.warm.reads_exact(config.selection.mode) if self.decode and mgr.warm is not None else 0
         self.exact_choice = (mgr.exact_read_choice(slice(None), plan.recs, n_exact, plan.valid).to(dev)
                              if n_exact else None)
@@ -208,7 +208,7 @@ class LayerStep:
         cols = None
         if self.width < M and layer >= self.dense_layers:
             cols = torch.sort((~selected).to(torch.int8), dim=1, stable=True).indices[:, : self.width]
-        dslot = t.device_slot[layer, plan.recs].to(self.dev)
+        dslot = t.device_slot[layer].index_select(0, plan.recs.flatten()).view(B, M).to(self.dev)
         if self.moves_inside:  # residency as this layer saw it
             self.rec.full[layer] = dslot.cpu() >= 0
             self.rec.warm[layer] = mgr.warm_only(layer, plan.recs)

@@ -63,7 +63,8 @@ from tieredkv.errors import KVCacheFullError
 from tieredkv.plugins.kv_append import kv_append
 from tieredkv.plugins.tiered_attention import PAD_PAGE_INDEX
 from tieredkv.runtime.tiered.accounting import TierAccounting
-from tieredkv.runtime.tiered.config import ResolvedBudgets, TieredKVConfig
+from tieredkv.runtime.tiered.budgets import ResolvedBudgets
+from tieredkv.runtime.tiered.config import TieredKVConfig
 from tieredkv.runtime.tiered.metrics import TierMetrics
 from tieredkv.runtime.tiered.migration import WindowMigration
 from tieredkv.runtime.tiered.moves import PageMoves
@@ -360,12 +361,26 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         if slots is None:
             slots = t.device_slot[layer, recs].to(dev)
         kv_append(*pools, k, v, slots, plan.write_offsets.to(dev), out=pools)
-        recs = recs.to(t.kmin.device)
-        kf = k.float().to(t.kmin.device)
-        idx = recs.view(-1, 1, 1).expand_as(kf)
-        t.kmin[layer].scatter_reduce_(0, idx, kf, "amin")
-        t.kmax[layer].scatter_reduce_(0, idx, kf, "amax")
-        t.sal_sum[layer].index_add_(0, recs, saliency.to(t.sal_sum.device, torch.float32))
+        self._update_summaries(layer, recs.to(t.kmin.device), k.float().to(t.kmin.device),
+                               saliency.to(t.sal_sum.device, torch.float32), one_per_page=plan.decode)
+
+    def _update_summaries(self, layer: int, recs: torch.Tensor, k: torch.Tensor, saliency: torch.Tensor, *,
+                          one_per_page: bool) -> None:
+        """Fold the new keys k [N, KVH, D] (with their ``saliency`` [N]) of pages ``recs`` [N] into
+        the pages' key min / max and summed saliency. ``one_per_page``: each token goes to a page of
+        its own (a decode step: every sequence writes its last page); else the tokens are reduced
+        per page first, into a buffer of their pages only."""
+        t = self.table
+        pages, lo, hi = recs, k, k
+        if not one_per_page:
+            pages, inverse = torch.unique(recs, return_inverse=True)
+            idx = inverse.view(-1, 1, 1).expand_as(k)
+            lo = k.new_full((len(pages), *k.shape[1:]), float("inf")).scatter_reduce_(0, idx, k, "amin")
+            hi = k.new_full((len(pages), *k.shape[1:]), float("-inf")).scatter_reduce_(0, idx, k, "amax")
+        kmin, kmax = t.kmin[layer], t.kmax[layer]
+        kmin.index_copy_(0, pages, torch.minimum(kmin.index_select(0, pages), lo))
+        kmax.index_copy_(0, pages, torch.maximum(kmax.index_select(0, pages), hi))
+        t.sal_sum[layer].index_add_(0, recs, saliency)
 
     def summaries(self, layer: int | slice, recs: torch.Tensor, tokens: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -409,25 +424,28 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         each: flags or-ed, masses summed, the highest importance and relevance kept."""
         acc, t, m, L = self._access, self.table, self.metrics, self.L
         recs, valid = plan.recs, plan.valid.unsqueeze(0)
-        full = t.device_slot[:, recs] >= 0 if rec.full is None else rec.full
-        warm = self.warm_only(slice(None), recs) if rec.warm is None else rec.warm
-        staged = t.staged[:, recs] if rec.staged is None else rec.staged
+        flat = recs.flatten()
+        at = lambda column: column.index_select(1, flat).view(L, *recs.shape)  # noqa: E731 ([L, R] -> [L, B, M])
+        dslot = at(t.device_slot)
+        full = dslot >= 0 if rec.full is None else rec.full
+        warm = ((dslot < 0) & (at(t.warm_slot) >= 0)) if rec.warm is None else rec.warm
+        staged = at(t.staged) if rec.staged is None else rec.staged
         resident = full | warm
-        selected, attended = rec.selected & valid, rec.attended & valid
+        keep = valid.expand(L, -1, -1)
+        selected, attended = rec.selected & keep, rec.attended & keep
+        rows = (torch.arange(L).view(L, 1, 1) * t.capacity + recs)[keep]  # [N] flat [L, R] index of each valid entry
         if plan.decode:
             need = selected & ~plan.t0
-            self._scatter_flags(acc.needed, recs, need)
-            self._scatter_flags(acc.missing, recs, need & ~resident & ~staged)
+            acc.needed.view(-1)[rows[need[keep]]] = True
+            acc.missing.view(-1)[rows[(need & ~resident & ~staged)[keep]]] = True
             m.masked += int((selected & ~attended).sum())
         streamed = attended & ~resident
         warm_read = attended & warm
         if rec.exact is not None:  # warm pages read from their exact copy (warm.exact_reads) are streamed
-            exact = rec.exact & valid
+            exact = rec.exact & keep
             warm_read &= ~exact
             streamed |= exact
-        self._scatter_flags(acc.streamed, recs, streamed)
-        rows = (torch.arange(L).view(L, 1, 1) * t.capacity + recs).expand_as(attended)[valid.expand_as(attended)]
-        keep = valid.expand_as(attended)
+        acc.streamed.view(-1)[rows[streamed[keep]]] = True
         acc.mass.view(-1).index_add_(0, rows, rec.mass[keep].float())
         importance = rec.mass if rec.importance is None else rec.importance
         relevance = rec.mass if rec.relevance is None else rec.relevance
@@ -439,12 +457,7 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         m.warm_reads += int(warm_read.sum())
         m.streamed_pages += int(per.sum())
         m.staging_rounds += int((-(-per // max(1, self.staging_pages))).sum())
-        self._count_h2d(int(per.sum()), int((pages & (t.host_slot[:, recs] < 0)).sum()))
-
-    def _scatter_flags(self, column: torch.Tensor, recs: torch.Tensor, flags: torch.Tensor) -> None:
-        """``column`` [L, R] |= ``flags`` [L, B, M] at the records ``recs`` [B, M]."""
-        layers, b, c = flags.nonzero(as_tuple=True)
-        column[layers, recs[b, c]] = True
+        self._count_h2d(int(per.sum()), int((pages & (at(t.host_slot) < 0)).sum()))
 
     def seq_access(self, seq: int) -> StepAccess:
         """The open step's access record of one sequence's pages: [L, M] columns."""

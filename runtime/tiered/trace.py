@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 
 from tieredkv.errors import ConfigError, DataFileError, short
-from tieredkv.runtime.tiered.config import TieredKVConfig, resolve_budgets
+from tieredkv.runtime.tiered.budgets import resolve_budgets
+from tieredkv.runtime.tiered.config import TieredKVConfig
 from tieredkv.runtime.tiered.manager import TierManager
-from tieredkv.runtime.tiered.step import StepAccess, StepRecord
 from tieredkv.runtime.tiered.metrics import TierMetrics
 from tieredkv.runtime.tiered.page_table import PageTable
 from tieredkv.runtime.tiered.policies import make_policy
+from tieredkv.runtime.tiered.step import StepAccess, StepRecord
 
 
 @dataclass

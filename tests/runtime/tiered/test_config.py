@@ -6,15 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 from helpers import SMALL_KV as SMALL
 from tieredkv.errors import ConfigError, DataFileError
-from tieredkv.runtime.tiered.config import (
-    FLAT_SETTINGS,
-    Budget,
-    BudgetConfig,
-    SelectionConfig,
-    TieredKVConfig,
-    WarmConfig,
-    resolve_budgets,
-)
+from tieredkv.runtime.tiered.budgets import Budget, resolve_budgets
+from tieredkv.runtime.tiered.config import FLAT_SETTINGS, BudgetConfig, SelectionConfig, TieredKVConfig, WarmConfig
 
 
 @pytest.mark.parametrize("text,kind,value", [("25%", "percent", 0.25), ("64MiB", "bytes", 64 * 2**20),

@@ -7,7 +7,8 @@ import tempfile
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tieredkv.runtime.tiered.config import ResolvedBudgets, TieredKVConfig
+from tieredkv.runtime.tiered.budgets import ResolvedBudgets
+from tieredkv.runtime.tiered.config import TieredKVConfig
 from tieredkv.runtime.tiered.manager import TierManager
 from tieredkv.runtime.tiered.policies import make_policy
 

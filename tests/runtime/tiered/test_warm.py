@@ -12,9 +12,10 @@ from tieredkv.errors import ConfigError
 from tieredkv.models.llama import prefill
 from tieredkv.plugins.codec import CODECS, decode_pages, encode_pages, page_bytes
 from tieredkv.runtime.paged import PagedKVCache
+from tieredkv.runtime.tiered.budgets import resolve_budgets
 from tieredkv.runtime.tiered.cache import TieredKVCache
+from tieredkv.runtime.tiered.config import TieredKVConfig
 from tieredkv.runtime.tiered.layer_step import LayerStep
-from tieredkv.runtime.tiered.config import TieredKVConfig, resolve_budgets
 
 SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2)
 MODEL = tiny_model(seed=3)

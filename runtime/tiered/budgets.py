@@ -1,0 +1,200 @@
+"""Budgets of the tiered cache: how a budget string is read, and how the budgets of a
+:class:`~tieredkv.runtime.tiered.config.TieredKVConfig` resolve into pages per layer.
+
+* ``"25%"`` — a fraction of the full KV cache of the work at hand (for a generation:
+  prompt + max new tokens of every sequence; for an evaluation: the whole window or
+  prompt). Resolved when that size is known;
+* ``"64MiB"``, ``"1.5GB"``, ``"123456B"`` — bytes of K/V pages across all layers (the
+  page summaries kept for scoring are reported separately, not counted);
+* ``2048`` or ``"2048"`` / ``"2048tok"`` — tokens per sequence-layer, i.e. pages * page size.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tieredkv.errors import ConfigError, short
+
+if TYPE_CHECKING:
+    from tieredkv.runtime.tiered.config import TieredKVConfig
+
+_UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+_BUDGET_RE = re.compile(r"^\s*(?P<num>\d+(\.\d+)?)\s*(?P<unit>%|[kmgt]?i?b|tok|tokens|t)?\s*$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A parsed budget: ``kind`` is 'percent' (value in (0, 1]), 'bytes' or 'tokens'."""
+
+    kind: str
+    value: float
+
+    @classmethod
+    def parse(cls, text: str | int | float | None, field: str = "budget") -> "Budget | None":
+        if text is None or (isinstance(text, str) and text.strip().lower() in ("", "none", "unlimited", "100%")):
+            return None
+        if isinstance(text, bool):
+            raise ConfigError(f"{field}: expected a budget such as '25%', '64MiB' or 2048 (tokens), got {short(text)}")
+        if isinstance(text, (int, float)):
+            if not math.isfinite(text):
+                raise ConfigError(f"{field}: a budget must be a finite number, got {short(text)}")
+            if text <= 0:
+                raise ConfigError(f"{field}: a token budget must be positive, got {text}")
+            return cls("tokens", float(text))
+        m = _BUDGET_RE.match(str(text))
+        if not m:
+            raise ConfigError(f"{field}: cannot parse {short(text)}; expected '25%', '64MiB', '1.5GB' or a token count "
+                              "such as 2048")
+        num, unit = float(m.group("num")), (m.group("unit") or "tok").lower()
+        if not num < 1e18:
+            raise ConfigError(f"{field}: {short(text)} is beyond any memory or context; expected a budget that fits")
+        if num <= 0:
+            raise ConfigError(f"{field}: must be positive, got {short(text)}")
+        if unit == "%":
+            if num > 100:
+                raise ConfigError(f"{field}: a percentage must be in (0, 100], got {short(text)}")
+            return cls("percent", num / 100)
+        if unit in ("tok", "tokens", "t"):
+            return cls("tokens", num)
+        return cls("bytes", num * _UNITS[unit])
+
+    def tokens(self, *, full_tokens: int | None, token_bytes_all_layers: int, field: str) -> int:
+        """The budget in tokens per sequence-layer."""
+        if self.kind == "tokens":
+            return int(self.value)
+        if self.kind == "bytes":
+            return int(self.value // token_bytes_all_layers)
+        if full_tokens is None:
+            raise ConfigError(f"{field}: a percentage needs the size of the full cache, which is not known here; "
+                              "give bytes or tokens instead")
+        return int(math.floor(self.value * full_tokens))
+
+    def __str__(self) -> str:
+        if self.kind == "percent":
+            return f"{self.value * 100:g}%"
+        if self.kind == "bytes":
+            return f"{int(self.value)}B"
+        return f"{int(self.value)}tok"
+
+
+@dataclass(frozen=True)
+class ResolvedBudgets:
+    """Budgets in pages per layer (shared by all sequences of a cache)."""
+
+    device_pages: int | None  # None: unlimited (grows on demand)
+    host_pages: int | None
+    attention_pages: int | None  # per sequence-layer; None: every page of the sequence
+    hot_key_pages: int
+    staging_pages: int
+    warm_pages: int = 0  # compressed pages per layer (warm sub-tier of T2)
+    warm_given: int = 0  # full-precision pages whose bytes the warm sub-tier holds instead
+
+    @property
+    def resident_pages(self) -> int | None:
+        """Full-precision pages that may be owned on the device (T0 + T1 + T2), i.e. without
+        the staging area and the bytes given to the warm sub-tier."""
+        return None if self.device_pages is None else self.device_pages - self.staging_pages - self.warm_given
+
+
+def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_layer: int,
+                    full_tokens: int | None, num_sequences: int = 1,
+                    warm_page_bytes: int | None = None) -> ResolvedBudgets:
+    """Turn the budget strings into pages per layer; ConfigError when the device budget
+    cannot hold the hot window (T0 of every sequence) plus the staging area.
+    ``warm_page_bytes``: bytes of one encoded page of one layer (with ``warm_codec``)."""
+    P = config.page_size
+    tok_all = token_bytes_per_layer * num_layers
+    dev = Budget.parse(config.budgets.device, "device_budget")
+    host = Budget.parse(config.budgets.host, "host_budget")
+    att = Budget.parse(config.budgets.attention, "attention_budget")
+    device_pages = host_pages = attention_pages = None
+    staging = config.budgets.staging_pages
+    if dev is not None:
+        per_seq = dev.tokens(full_tokens=full_tokens, token_bytes_all_layers=tok_all, field="device_budget")
+        # percent and per-sequence token budgets are per sequence; bytes are for the whole cache
+        device_pages = per_seq // P * (1 if dev.kind == "bytes" else num_sequences)
+        need = config.t0_pages * num_sequences + staging + 1
+        if device_pages < need:
+            raise ConfigError(
+                f"device_budget {dev} gives {device_pages} pages per layer ({P} tokens each), too small to hold the "
+                f"hot window: T0 = {config.t0_pages} page(s) per sequence (sinks {config.window.sink_tokens} + recent "
+                f"{config.window.recent_tokens} tokens + the page being written) x {num_sequences} sequence(s) + "
+                f"{staging} staging page(s) + 1; expected at least {need} pages = {need * P} tokens per layer"
+            )
+    if host is not None:
+        host_pages = host.tokens(full_tokens=full_tokens, token_bytes_all_layers=tok_all, field="host_budget") // P
+        if host.kind != "bytes":
+            host_pages *= num_sequences
+        if host_pages < 1:
+            raise ConfigError(f"host_budget {host} is smaller than one page ({P} tokens per layer)")
+        if config.budgets.disk_path is None and device_pages is not None and full_tokens is not None:
+            total = -(-full_tokens // P) * num_sequences
+            if device_pages + host_pages < total:
+                raise ConfigError(
+                    f"device_budget + host_budget hold {device_pages + host_pages} pages per layer but the work needs "
+                    f"{total}; demoted pages would be lost. Raise host_budget or set disk_path (T4)."
+                )
+    if att is not None:
+        attention_pages = -(-att.tokens(full_tokens=full_tokens, token_bytes_all_layers=tok_all,
+                                        field="attention_budget") // P)
+        if attention_pages < config.t0_pages:
+            raise ConfigError(f"attention_budget {att} = {attention_pages} page(s) cannot cover T0 "
+                              f"({config.t0_pages} pages: sinks, recent window, hot page)")
+    elif device_pages is not None and config.budgets.attention is None:
+        # default: attend to as many pages as can be resident for one sequence ('100%' or
+        # 'unlimited' given explicitly: every page, the non-resident ones fetched or masked)
+        attention_pages = (device_pages - staging) // num_sequences
+    warm_pages = warm_given = 0
+    if device_pages is not None and config.warm.codec is not None:
+        if not warm_page_bytes:
+            raise ValueError("internal: warm_codec set but warm_page_bytes not given")
+        # T0 (+ the page being allocated) stays full precision; warm_fraction of the rest is compressed
+        spare = device_pages - staging - (config.t0_pages * num_sequences + 1)
+        per_given = token_bytes_per_layer * P  # warm bytes one full-precision page gives
+        if config.warm.fraction == "auto":
+            warm_given = _auto_warm_given(spare, device_pages - staging, per_given, warm_page_bytes,
+                                          None if full_tokens is None else -(-full_tokens // P) * num_sequences)
+        else:
+            warm_given = round(config.warm.fraction * spare)
+        warm_pages = warm_given * per_given // warm_page_bytes
+        if att is None:
+            attention_pages = (device_pages - staging - warm_given + warm_pages) // num_sequences
+    page_bytes_all_layers = tok_all * P
+    for name, budget, pages in (("device_budget", dev, device_pages), ("host_budget", host, host_pages)):
+        if pages is not None and pages * page_bytes_all_layers > physical_memory():
+            raise ConfigError(f"{name} {budget} is "
+                              f"{pages * page_bytes_all_layers / 2**30:.1f} GiB of pages; this machine has "
+                              f"{physical_memory() / 2**30:.1f} GiB of memory: expected a budget that fits")
+    hot = 0 if device_pages is None else int(config.budgets.hot_key_fraction * (device_pages - staging - warm_given))
+    return ResolvedBudgets(device_pages, host_pages, attention_pages, hot, staging, warm_pages, warm_given)
+
+
+def _auto_warm_given(spare: int, owned: int, per_given: int, warm_page_bytes: int, need: int | None) -> int:
+    """``warm_fraction = "auto"``: the fewest full-precision pages (of ``spare``) whose bytes,
+    holding compressed pages, make the ``owned`` device pages hold ``need`` pages in all;
+    ``spare`` when even all of them do not (or ``need`` is unknown)."""
+    if per_given <= warm_page_bytes:  # the codec saves nothing on these pages
+        return 0
+    if need is None:
+        return max(spare, 0)
+    def held(g: int) -> int:  # pages the device holds with g slots' bytes given to the warm tier (grows with g)
+        return owned - g + g * per_given // warm_page_bytes
+
+    # held(g) >= need implies g >= the closed form below (the floor only lowers held): start there
+    g = max(0, -(-(need - owned) * warm_page_bytes // (per_given - warm_page_bytes)))
+    while g < spare and held(g) < need:
+        g += 1
+    return min(g, spare)
+
+
+def physical_memory() -> int:
+    """Bytes of memory of this machine (where the pools live)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62  # unknown: no limit
