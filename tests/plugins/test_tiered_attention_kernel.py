@@ -259,7 +259,8 @@ def selection_inputs(seed: int, *, B: int, H: int, KVH: int, D: int, P: int, pag
             mask[b, first:first + n] = 1
     C = B * pages + 1
     seq_len = torch.full((B,), pages * P - 3)
-    return dict(q=torch.randn(B, H, T, D, generator=gen), k_pool=(torch.randn(C, KVH, P, D, generator=gen) * 2).to(dtype),
+    return dict(q=torch.randn(B, H, T, D, generator=gen),
+                k_pool=(torch.randn(C, KVH, P, D, generator=gen) * 2).to(dtype),
                 v_pool=torch.randn(C, KVH, P, D, generator=gen).to(dtype),
                 page_table=torch.randperm(C, generator=gen)[:B * pages].view(B, pages), page_mask=mask,
                 page_index=torch.arange(pages).repeat(B, 1), seq_len=seq_len, past=seq_len - T)
