@@ -47,9 +47,10 @@ import torch
 from tieredkv.errors import KernelLibraryError
 
 __all__ = ["CODEC_SECTIONS", "DEFAULT_LIBRARY", "ENV_VAR", "KV_DTYPES", "MAX_HEAD_DIM", "MAX_SPLITS", "CodecDesc",
-           "KernelLibraryError", "attention_plan", "attention_workspace_bytes", "codec_desc", "decode_pages",
-           "decode_pages_host", "encode_pages", "encode_pages_host", "importance_score", "kv_append", "library_path",
-           "load_library", "tiered_attention", "tiered_attention_host", "tiered_attention_warm"]
+           "KernelLibraryError", "attention_occupancy", "attention_plan", "attention_workspace_bytes", "codec_desc",
+           "decode_pages", "decode_pages_host", "encode_pages", "encode_pages_host", "importance_score",
+           "importance_score_workspace_bytes", "kv_append",
+           "library_path", "load_library", "tiered_attention", "tiered_attention_host", "tiered_attention_warm"]
 
 #: environment variable naming the library when no ``lib=`` is given
 ENV_VAR = "TIEREDKV_KERNELS"
@@ -121,12 +122,15 @@ def load_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
         # ... warm_pool, warm_row, W, desc, then as above
         lib.tkv_tiered_attention_warm.argtypes = attention + [p, p, i64, desc, p, i64, i32, p]
         lib.tkv_tiered_attention_warm.restype = ctypes.c_int
-        lib.tkv_tiered_attention_host.argtypes = attention + [p, p, i64, desc, i32, i32]  # ..., sm_count, num_splits
+        # ..., sm_count, blocks_per_sm, num_splits
+        lib.tkv_tiered_attention_host.argtypes = attention + [p, p, i64, desc, i32, i32, i32]
         lib.tkv_tiered_attention_host.restype = ctypes.c_int
         lib.tkv_tiered_attention_workspace.argtypes = [i64] * 6
         lib.tkv_tiered_attention_workspace.restype = i64
-        lib.tkv_tiered_attention_plan.argtypes = [i64] * 6 + [i32, i32, i64, p, p]
+        lib.tkv_tiered_attention_plan.argtypes = [i64] * 6 + [i32, i32, i32, i64, p, p]
         lib.tkv_tiered_attention_plan.restype = ctypes.c_int
+        lib.tkv_tiered_attention_occupancy.argtypes = [i64] * 4 + [i32, i32, p, p]
+        lib.tkv_tiered_attention_occupancy.restype = ctypes.c_int
         lib.tkv_codec_desc.argtypes = [ctypes.c_char_p, i64, i64, i64, desc]
         lib.tkv_codec_desc.restype = ctypes.c_int
         lib.tkv_codec_desc_sizeof.argtypes = []
@@ -141,6 +145,11 @@ def load_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
         lib.tkv_kv_append.restype = ctypes.c_int
         lib.tkv_importance_score.argtypes = [p] * 9 + [i64] * 6 + [f32] * 4 + [p]  # w_rel, w_pos, w_sal, scale, stream
         lib.tkv_importance_score.restype = ctypes.c_int
+        # ..., scale, q_dtype, summary_dtype, workspace, workspace_bytes, stream
+        lib.tkv_importance_score_ex.argtypes = [p] * 9 + [i64] * 6 + [f32] * 4 + [i32, i32, p, i64, p]
+        lib.tkv_importance_score_ex.restype = ctypes.c_int
+        lib.tkv_importance_score_workspace.argtypes = [i64] * 3
+        lib.tkv_importance_score_workspace.restype = i64
         lib.tkv_error_string.argtypes = [ctypes.c_int]
         lib.tkv_error_string.restype = ctypes.c_char_p
     except AttributeError as exc:
@@ -402,22 +411,40 @@ def _splits(num_splits: int) -> int:
     return num_splits
 
 
-def attention_plan(B: int, H: int, T: int, D: int, KVH: int, M: int, *, sm_count: int, num_splits: int = 0,
-                   workspace_bytes: int | None = None,
+def attention_plan(B: int, H: int, T: int, D: int, KVH: int, M: int, *, sm_count: int, blocks_per_sm: int,
+                   num_splits: int = 0, workspace_bytes: int | None = None,
                    lib: ctypes.CDLL | str | os.PathLike | None = None) -> tuple[int, int]:
     """The TieredAttention split plan (``tkv_tiered_attention_plan``) for these sizes on a device of
-    ``sm_count`` SMs: (splits, pages per split). ``num_splits`` 0 lets the library choose, else asks
-    for that many; ``workspace_bytes`` (default: unlimited) lowers the count to what it holds.
-    Runs on the host."""
+    ``sm_count`` SMs where the split kernel keeps ``blocks_per_sm`` blocks resident
+    (:func:`attention_occupancy` on a GPU; ``tools/kernel_occupancy.py`` from ptxas): (splits, the
+    most kept pages a split reads). ``num_splits`` 0 lets the library choose, else asks for that
+    many; ``workspace_bytes`` (default: unlimited) lowers the count to what it holds. Runs on the
+    host."""
     lib = _library(lib)
     splits, per_split = ctypes.c_int32(), ctypes.c_int32()
     ws = (1 << 62) if workspace_bytes is None else workspace_bytes
-    status = lib.tkv_tiered_attention_plan(B, H, T, D, KVH, M, sm_count, _splits(num_splits), ws,
+    status = lib.tkv_tiered_attention_plan(B, H, T, D, KVH, M, sm_count, blocks_per_sm, _splits(num_splits), ws,
                                            ctypes.byref(splits), ctypes.byref(per_split))
     if status != 0:
-        raise ValueError(f"tkv_tiered_attention_plan({B}, {H}, {T}, {D}, {KVH}, {M}, sm_count={sm_count}): "
-                         f"{lib.tkv_error_string(status).decode()}")
+        raise ValueError(f"tkv_tiered_attention_plan({B}, {H}, {T}, {D}, {KVH}, {M}, sm_count={sm_count}, "
+                         f"blocks_per_sm={blocks_per_sm}): {lib.tkv_error_string(status).decode()}")
     return splits.value, per_split.value
+
+
+def attention_occupancy(H: int, T: int, D: int, KVH: int, kv_dtype: torch.dtype, *, warm: bool = False,
+                        lib: ctypes.CDLL | str | os.PathLike | None = None) -> tuple[int, bool]:
+    """The TieredAttention split kernel the ops run for these sizes and pools of ``kv_dtype`` on the
+    current CUDA device (``tkv_tiered_attention_occupancy``): (resident blocks per SM, whether it
+    is the tensor-core kernel). ``warm``: the kernel of :func:`tiered_attention_warm`. Needs a
+    GPU."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype: expected float32, float16 or bfloat16, got {kv_dtype}")
+    lib = _library(lib)
+    blocks, tensor = ctypes.c_int32(), ctypes.c_int32()
+    _raise_for_status(lib, "tkv_tiered_attention_occupancy",
+                      lib.tkv_tiered_attention_occupancy(H, T, D, KVH, KV_DTYPES[kv_dtype], int(warm),
+                                                         ctypes.byref(blocks), ctypes.byref(tensor)))
+    return blocks.value, bool(tensor.value)
 
 
 def attention_workspace_bytes(B: int, H: int, T: int, D: int, KVH: int, M: int, *, num_splits: int = 0,
@@ -428,7 +455,7 @@ def attention_workspace_bytes(B: int, H: int, T: int, D: int, KVH: int, M: int, 
     lib = _library(lib)
     if _splits(num_splits) == 0:
         return int(lib.tkv_tiered_attention_workspace(B, H, T, D, KVH, M))
-    splits, _ = attention_plan(B, H, T, D, KVH, M, sm_count=1, num_splits=num_splits, lib=lib)
+    splits, _ = attention_plan(B, H, T, D, KVH, M, sm_count=1, blocks_per_sm=1, num_splits=num_splits, lib=lib)
     return 0 if splits == 1 else splits * B * H * T * (D + 2) * 4
 
 
@@ -526,14 +553,16 @@ def tiered_attention_host(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
                           page_mask: torch.Tensor, page_index: torch.Tensor, seq_len: torch.Tensor,
                           past: torch.Tensor, *, warm_pool: torch.Tensor | None = None,
                           warm_row: torch.Tensor | None = None, desc: CodecDesc | None = None, sm_count: int,
-                          num_splits: int = 0, scale: float | None = None,
+                          blocks_per_sm: int, num_splits: int = 0, scale: float | None = None,
                           out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                           lib: ctypes.CDLL | str | os.PathLike | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """TieredAttention by the library's host emulation (``tkv_tiered_attention_host``; CPU,
-    synchronous): the kernels' algorithm (split plan for ``sm_count`` SMs or ``num_splits``, lane
-    layout, online softmax, page log-sum-exps, warp and split merges) run block by block through
-    the same ``__host__ __device__`` functions. Arguments as :func:`tiered_attention` /
+    synchronous): the algorithm of the split kernel the device would run (split plan for
+    ``sm_count`` SMs of ``blocks_per_sm`` resident blocks, or ``num_splits``; each split's kept
+    pages; the tensor-core kernel's tiles and two-term 16-bit operands, or the CUDA-core kernel's
+    lane layout; online softmax, page log-sum-exps, warp and split merges) run block by block
+    through the same ``__host__ __device__`` functions. Arguments as :func:`tiered_attention` /
     :func:`tiered_attention_warm` (warm_pool, warm_row and desc all three or none), on the CPU."""
     sizes, mask, outs, named = _attention_args(q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past,
                                                out)
@@ -541,8 +570,9 @@ def tiered_attention_host(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
         raise ValueError("warm_pool, warm_row and desc go together: pass all three or none")
     w, warm_named = _warm_args(warm_pool, warm_row, desc, sizes) if desc is not None else (0, ())
     _device(*named, *warm_named, host=True)
-    if not isinstance(sm_count, int) or isinstance(sm_count, bool) or sm_count < 0:
-        raise ValueError(f"sm_count: expected an int >= 0, got {sm_count!r}")
+    for name, value in (("sm_count", sm_count), ("blocks_per_sm", blocks_per_sm)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
     num_splits = _splits(num_splits)
     scale = sizes[3] ** -0.5 if scale is None else scale
     lib = _library(lib)
@@ -551,7 +581,7 @@ def tiered_attention_host(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
                                                                                                          None)
     _raise_for_status(lib, "tkv_tiered_attention_host",
                       lib.tkv_tiered_attention_host(*ptrs, *sizes, scale, KV_DTYPES[k_pool.dtype], *warm, sm_count,
-                                                    num_splits))
+                                                    blocks_per_sm, num_splits))
     return outs
 
 
@@ -590,30 +620,50 @@ def kv_append(k_pool: torch.Tensor, v_pool: torch.Tensor, k_new: torch.Tensor, v
     return k_out, v_out
 
 
+def importance_score_workspace_bytes(B: int, H: int, M: int, *,
+                                     lib: ctypes.CDLL | str | os.PathLike | None = None) -> int:
+    """Bytes of workspace :func:`importance_score` needs (``tkv_importance_score_workspace``:
+    the bounds of every head and page and each head's softmax statistics per 64 pages;
+    non-decreasing in every size)."""
+    nbytes = int(_library(lib).tkv_importance_score_workspace(B, H, M))
+    if nbytes < 0:
+        raise ValueError(f"tkv_importance_score_workspace({B}, {H}, {M}): sizes must be >= 0")
+    return nbytes
+
+
 def importance_score(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, page_tokens: torch.Tensor,
                      distance: torch.Tensor, saliency: torch.Tensor, page_mask: torch.Tensor,
                      position_table: torch.Tensor, weights: Sequence[float], *, scale: float | None = None,
-                     out: torch.Tensor | None = None,
+                     workspace: torch.Tensor | None = None, out: torch.Tensor | None = None,
                      lib: ctypes.CDLL | str | os.PathLike | None = None) -> torch.Tensor:
-    """ImportanceScore (``tkv_importance_score``): the mixed importance of each listed page; the
-    reference is ``tieredkv.plugins.importance_score.importance_score``.
+    """ImportanceScore (``tkv_importance_score_ex``: one pass over the page summaries per kv head):
+    the mixed importance of each listed page; the reference is
+    ``tieredkv.plugins.importance_score.importance_score``.
 
     All tensors CUDA, on one device, contiguous (D <= 256, H a multiple of KVH):
 
-    * q [B, H, D] float32: the query the step attends with (the last new token's);
-    * kmin, kmax [B, M, KVH, D] float32: per-channel key bounds of each page;
+    * q [B, H, D] float32, float16 or bfloat16: the query the step attends with (the last new token's);
+    * kmin, kmax [B, M, KVH, D] float32, float16 or bfloat16 (one dtype; the pools' dtype holds
+      the min / max of its keys exactly): per-channel key bounds of each page;
     * page_tokens [B, M] int64: tokens written in the page;
     * distance [B, M] int64: query position minus the page's last token position;
     * saliency [B, M] float32 in [0, 1];
     * page_mask [B, M] int32 (nonzero: the page competes) or bool;
     * position_table [NB] float32, NB > 0: the position value of each distance bucket;
     * weights: (relevance, position, saliency), three floats;
-    * scale: logit scale of the relevance (default D ** -0.5).
+    * scale: logit scale of the relevance (default D ** -0.5);
+    * workspace: a uint8 CUDA tensor of at least :func:`importance_score_workspace_bytes` (default:
+      allocated here through torch's caching allocator).
 
     Returns (or writes ``out``): score [B, M] float32 on q's device (0 where page_mask is 0)."""
-    b, h, d = _arg("q", q, torch.float32, "[B, H, D]", (None,) * 3)
-    m, kvh = _arg("kmin", kmin, torch.float32, "[B, M, KVH, D]", (b, None, None, d))[1:3]
-    _arg("kmax", kmax, torch.float32, "[B, M, KVH, D]", kmin.shape)
+    if isinstance(q, torch.Tensor) and q.dtype not in KV_DTYPES:
+        raise ValueError(f"q: expected dtype float32, float16 or bfloat16, got {q.dtype}")
+    if isinstance(kmin, torch.Tensor) and kmin.dtype not in KV_DTYPES:
+        raise ValueError(f"kmin: expected dtype float32, float16 or bfloat16, got {kmin.dtype}")
+    b, h, d = _arg("q", q, q.dtype if isinstance(q, torch.Tensor) else torch.float32, "[B, H, D]", (None,) * 3)
+    summary = kmin.dtype if isinstance(kmin, torch.Tensor) else torch.float32
+    m, kvh = _arg("kmin", kmin, summary, "[B, M, KVH, D]", (b, None, None, d))[1:3]
+    _arg("kmax", kmax, summary, "[B, M, KVH, D]", kmin.shape)
     _arg("page_tokens", page_tokens, torch.int64, "[B, M]", (b, m))
     _arg("distance", distance, torch.int64, "[B, M]", (b, m))
     _arg("saliency", saliency, torch.float32, "[B, M]", (b, m))
@@ -632,6 +682,12 @@ def importance_score(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pa
                      ("saliency", saliency), ("page_mask", page_mask), ("position_table", position_table),
                      ("out", out))
     lib = _library(lib)
+    if workspace is None:
+        workspace = torch.empty(importance_score_workspace_bytes(b, h, m, lib=lib), dtype=torch.uint8, device=device)
+    _arg("workspace", workspace, torch.uint8, "[bytes]", (None,))
+    if workspace.device != device:
+        raise ValueError(f"workspace: expected a tensor on {device}, got one on {workspace.device}")
     ptrs = [x.data_ptr() for x in (q, kmin, kmax, page_tokens, distance, saliency, mask, position_table, out)]
-    _launch(lib, "tkv_importance_score", device, *ptrs, b, h, d, m, kvh, nb, *(float(w) for w in weights), scale)
+    _launch(lib, "tkv_importance_score_ex", device, *ptrs, b, h, d, m, kvh, nb, *(float(w) for w in weights), scale,
+            KV_DTYPES[q.dtype], KV_DTYPES[kmin.dtype], workspace.data_ptr(), workspace.numel())
     return out

@@ -8,19 +8,25 @@ Groups, each run on its own (an exception is recorded in the report and the next
   nominal HBM bandwidth (``--hbm-gbps``, 4800 GB/s for an H200);
 * ``check``: every kernel against its PyTorch reference (run on the CPU) at a 70B-like shape:
   the llama2-70b preset (64 query heads, 8 KV heads, head dim 128), pages of 16, one sequence
-  of ``--check-context`` tokens (32k), float16 pools, with every page listed and with 25 % of
-  them: TieredAttention (the library's split plan, and one split), the warm TieredAttention
-  (int4, half the listed pages warm, as int32 words), ImportanceScore, KVAppend (in place and
-  copy; exact) and the int4 page codec (exact, on a slice of the pages);
-* ``timing``: per preset (``--presets``), context (``--contexts``), share of pages listed
-  (``--listed``) and pool dtype (``--dtypes``), one decode token per sequence (``--batch``):
+  of ``--check-context`` tokens (32k), float16 pools, with every page listed, with 25 % of
+  them listed, and with every page listed and 25 % kept in clusters: TieredAttention (the
+  library's split plan from this GPU's occupancy, and one split), the warm TieredAttention (int4,
+  half the listed pages warm, as int32 words), ImportanceScore (float16 summaries; float32 and
+  float16 q), KVAppend (in place and copy; exact) and the int4 page codec (exact, on a slice of
+  the pages);
+* ``timing``: per preset (``--presets``), context (``--contexts``), selection (``--listed``
+  shares of the pages listed, all kept; ``--kept`` shares kept by the mask, every page listed,
+  in clusters) and pool dtype (``--dtypes``), one decode token per sequence (``--batch``):
   TieredAttention, ImportanceScore, KVAppend (in place; and copy + scatter as a plugin without
   aliasing), and per codec (``--codecs``) encode, decode and the warm TieredAttention. Each op
   is captured ``--inner`` times in a CUDA graph and the graph replayed ``--repeats`` times
   between one event pair (no host overhead; falls back to eager calls between one event pair
-  when capture fails). Reported: µs per call, the bytes the op must move (K / V of the listed
+  when capture fails). Reported: µs per call, the bytes the op must move (K / V of the kept
   pages or the encoded bytes, plus its other inputs and outputs), GB/s, and that as a share of
-  the nominal HBM bandwidth and of the measured copy bandwidth.
+  the nominal HBM bandwidth and of the measured copy bandwidth; for TieredAttention the split
+  plan, the kernel's occupancy and whether it ran on tensor cores (compare with
+  ``tools/kernel_occupancy.py``'s estimate), for ImportanceScore its bytes as a share of
+  TieredAttention's.
 
 Writes ``OUT/bench_kernels.json`` and ``OUT/bench_kernels.md``. Exit status: 0 when every check
 matched and no group failed, 1 otherwise, 2 without a CUDA device.
@@ -146,11 +152,13 @@ class Timer:
 
 
 def decode_inputs(*, B: int, H: int, KVH: int, D: int, context: int, listed: float, dtype: torch.dtype,
-                  seed: int = 0) -> dict:
+                  seed: int = 0, kept: float = 1.0) -> dict:
     """TieredAttention inputs of one decode step per sequence over a ``context``-token sequence
     (pages of 16 scattered over a pool of all sequences' pages): ``listed`` of its pages listed
-    (every page, or a random subset in order, as an attention budget selects), all kept; int32
-    page mask; pools in ``dtype``."""
+    (every page, or a random subset in order, as an attention budget selects); ``kept`` of the
+    listed pages kept by the int32 page mask, in 8 clusters of neighbouring pages (the runtime's
+    form: every page listed, the selection masked in, here clustered as a recency-and-relevance
+    selection tends to be; the last page always kept); pools in ``dtype``."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     pages = context // PAGE
     m = max(1, round(pages * listed))
@@ -160,26 +168,59 @@ def decode_inputs(*, B: int, H: int, KVH: int, D: int, context: int, listed: flo
     else:
         keep = torch.stack([torch.randperm(pages - 1, generator=gen, device="cuda")[: m - 1] for _ in range(B)])
         index = torch.cat([torch.sort(keep, dim=1).values, torch.full((B, 1), pages - 1, device="cuda")], dim=1)
+    mask = torch.ones(B, m, dtype=torch.int32, device="cuda")
+    if kept < 1.0:
+        mask.zero_()
+        run = max(1, round(m * kept / 8))
+        for b in range(B):
+            for start in torch.randint(0, max(1, m - run), (8,), generator=gen, device="cuda").tolist():
+                mask[b, start:start + run] = 1
+        mask[:, -1] = 1
     return dict(q=torch.randn(B, H, 1, D, generator=gen, device="cuda"),
                 k_pool=(torch.randn(B * pages, KVH, PAGE, D, generator=gen, device="cuda") * 2).to(dtype),
                 v_pool=torch.randn(B * pages, KVH, PAGE, D, generator=gen, device="cuda").to(dtype),
-                page_table=torch.gather(pool, 1, index), page_mask=torch.ones(B, m, dtype=torch.int32, device="cuda"),
+                page_table=torch.gather(pool, 1, index), page_mask=mask,
                 page_index=index.contiguous(), seq_len=torch.full((B,), context, dtype=torch.int64, device="cuda"),
                 past=torch.full((B,), context - 1, dtype=torch.int64, device="cuda"))
 
 
+def device_plan(lib, inputs: dict) -> dict:
+    """The split plan the op runs for ``inputs`` on this GPU: its SMs, the split kernel's occupancy
+    (``cuda_ops.attention_occupancy``) and the library's plan for them."""
+    B, H, T, D = inputs["q"].shape
+    M = inputs["page_table"].shape[1]
+    KVH = inputs["k_pool"].shape[1]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    per_sm, tensor_cores = cuda_ops.attention_occupancy(H, T, D, KVH, inputs["k_pool"].dtype, lib=lib)
+    splits, per = cuda_ops.attention_plan(B, H, T, D, KVH, M, sm_count=sms, blocks_per_sm=per_sm, lib=lib)
+    return dict(splits=splits, pages_per_split=per, blocks_per_sm=per_sm, tensor_cores=tensor_cores)
+
+
 def score_inputs(inputs: dict, context: int, seed: int = 1) -> dict:
-    """ImportanceScore inputs over the listed pages of ``inputs``: page key bounds, distances."""
+    """ImportanceScore inputs over the listed pages of ``inputs``: page key bounds in the pools'
+    dtype (which holds a min / max of its keys exactly), distances; every listed page competes."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = inputs["q"][:, :, 0].contiguous()
     B, M = inputs["page_table"].shape
     KVH, D = inputs["k_pool"].shape[1], inputs["k_pool"].shape[3]
-    kmin = torch.randn(B, M, KVH, D, generator=gen, device="cuda")
-    return dict(q=q, kmin=kmin, kmax=kmin + torch.rand(B, M, KVH, D, generator=gen, device="cuda"),
+    dtype = inputs["k_pool"].dtype
+    kmin = torch.randn(B, M, KVH, D, generator=gen, device="cuda").to(dtype)
+    kmax = (kmin.float() + torch.rand(B, M, KVH, D, generator=gen, device="cuda")).to(dtype)
+    return dict(q=q, kmin=kmin, kmax=torch.maximum(kmin, kmax),
                 page_tokens=torch.full((B, M), PAGE, dtype=torch.int64, device="cuda"),
                 distance=context - (inputs["page_index"] + 1) * PAGE,
-                saliency=torch.rand(B, M, generator=gen, device="cuda"), page_mask=inputs["page_mask"],
+                saliency=torch.rand(B, M, generator=gen, device="cuda"),
+                page_mask=torch.ones(B, M, dtype=torch.int32, device="cuda"),
                 position_table=torch.rand(16, generator=gen, device="cuda"))
+
+
+def score_bytes(s_in: dict) -> int:
+    """What ImportanceScore must move: the summaries of the competing pages, q, the page inputs
+    (tokens, distance, saliency, mask) and the score."""
+    B, M = s_in["page_mask"].shape
+    competing = int((s_in["page_mask"] != 0).sum())
+    per_page = 2 * s_in["kmin"][0, 0].numel() * s_in["kmin"].element_size()
+    return competing * per_page + s_in["q"].numel() * s_in["q"].element_size() + B * M * 28
 
 
 def append_inputs(inputs: dict, seed: int = 2) -> dict:
@@ -195,14 +236,15 @@ def append_inputs(inputs: dict, seed: int = 2) -> dict:
 
 
 def attention_bytes(inputs: dict, *, kv_bytes: int | None = None) -> int:
-    """What TieredAttention must move: K and V of the listed pages (or ``kv_bytes``), q, the page
+    """What TieredAttention must move: K and V of the kept pages (or ``kv_bytes``), q, the page
     list (table, mask, index), out, lse, page_probs."""
     q = inputs["q"]
     B, H, T, D = q.shape
     M = inputs["page_table"].shape[1]
     _, KVH, P, _ = inputs["k_pool"].shape
     if kv_bytes is None:
-        kv_bytes = 2 * B * M * KVH * P * D * inputs["k_pool"].element_size()
+        kept = int((inputs["page_mask"] != 0).sum())
+        kv_bytes = 2 * kept * KVH * P * D * inputs["k_pool"].element_size()
     return kv_bytes + 2 * q.numel() * 4 + B * H * T * (M + 1) * 4 + B * M * 20 + 2 * B * 8
 
 
@@ -234,16 +276,16 @@ def run_checks(lib, args) -> list[Check]:
     cfg = preset(CHECK_PRESET)
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     checks = []
-    for listed in (1.0, 0.25):
-        tag = f"{CHECK_PRESET} ctx={args.check_context} listed={int(listed * 100)}% fp16"
+    for listed, kept in ((1.0, 1.0), (0.25, 1.0), (1.0, 0.25)):
+        tag = f"{CHECK_PRESET} ctx={args.check_context} listed={int(listed * 100)}% kept={int(kept * 100)}% fp16"
         inputs = decode_inputs(B=1, H=H, KVH=KVH, D=D, context=args.check_context, listed=listed,
-                               dtype=torch.float16, seed=7)
+                               dtype=torch.float16, seed=7, kept=kept)
         ref = tiered_attention(**_cpu(inputs))
         M = inputs["page_table"].shape[1]
-        splits, per = cuda_ops.attention_plan(1, H, 1, D, KVH, M, sm_count=torch.cuda.get_device_properties(0)
-                                              .multi_processor_count, lib=lib)
+        plan = device_plan(lib, inputs)
         got = cuda_ops.tiered_attention(**inputs, lib=lib)
-        checks.append(_compare(f"TieredAttention [{tag}, {splits} splits of {per} pages]", got, ref, TOLERANCE))
+        checks.append(_compare(f"TieredAttention [{tag}, {plan['splits']} splits, {plan['blocks_per_sm']} "
+                               f"blocks / SM, tensor cores {plan['tensor_cores']}]", got, ref, TOLERANCE))
         got = cuda_ops.tiered_attention(**inputs, num_splits=1, lib=lib)
         checks.append(_compare(f"TieredAttention [{tag}, one split]", got, ref, TOLERANCE))
 
@@ -265,11 +307,16 @@ def run_checks(lib, args) -> list[Check]:
 
         s_in = score_inputs(inputs, args.check_context)
         weights = (0.4, 0.3, 0.3)
-        ref_s = importance_score(**_cpu(s_in), weights=weights, scale=D ** -0.5)
-        got_s = cuda_ops.importance_score(**s_in, weights=weights, scale=D ** -0.5, lib=lib)
-        err = _err(got_s, ref_s)
-        checks.append(Check(f"ImportanceScore [{tag}]", err <= TOLERANCE, f"max abs error {err:.2e}",
-                            {"score": err}))
+        ref_s = importance_score(**{k: v.float() if v.is_floating_point() else v for k, v in _cpu(s_in).items()},
+                                 weights=weights, scale=D ** -0.5)
+        for q_dtype in (torch.float32, torch.float16):
+            got_s = cuda_ops.importance_score(**(s_in | dict(q=s_in["q"].to(q_dtype))), weights=weights,
+                                              scale=D ** -0.5, lib=lib)
+            err = _err(got_s, ref_s if q_dtype == torch.float32 else importance_score(
+                **{k: v.float() if v.is_floating_point() else v for k, v in _cpu(s_in).items()
+                   } | dict(q=s_in["q"].to(q_dtype).float().cpu()), weights=weights, scale=D ** -0.5))
+            checks.append(Check(f"ImportanceScore [{tag}, fp16 summaries, q {str(q_dtype)[6:]}]", err <= TOLERANCE,
+                                f"max abs error {err:.2e}", {"score": err}))
 
     inputs = decode_inputs(B=1, H=H, KVH=KVH, D=D, context=args.check_context, listed=1.0, dtype=torch.float16, seed=8)
     new = append_inputs(inputs)
@@ -299,29 +346,31 @@ def run_checks(lib, args) -> list[Check]:
 # ----------------------------------------------------------------------------- timings
 
 
-def bench_shape(lib, timer: Timer, model: str, cfg, context: int, listed: float, dtype: torch.dtype, args) -> None:
+def bench_shape(lib, timer: Timer, model: str, cfg, context: int, listed: float, dtype: torch.dtype, args,
+                kept: float = 1.0) -> None:
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    inputs = decode_inputs(B=args.batch, H=H, KVH=KVH, D=D, context=context, listed=listed, dtype=dtype)
+    inputs = decode_inputs(B=args.batch, H=H, KVH=KVH, D=D, context=context, listed=listed, dtype=dtype, kept=kept)
     B, M = inputs["page_table"].shape
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits, per = cuda_ops.attention_plan(B, H, 1, D, KVH, M, sm_count=sms, lib=lib)
+    plan = device_plan(lib, inputs)
     dname = str(dtype).removeprefix("torch.")
-    shape = f"B={B} H={H} KVH={KVH} D={D} ctx={context} M={M} ({int(listed * 100)}%) {dname}"
+    shape = (f"B={B} H={H} KVH={KVH} D={D} ctx={context} M={M} ({int(listed * 100)}% listed, "
+             f"{int(kept * 100)}% kept) {dname}")
     q = inputs["q"]
     outs = (torch.empty_like(q), torch.empty(B, H, 1, device="cuda"), torch.empty(B, H, 1, M, device="cuda"))
     ws = torch.empty(max(1, cuda_ops.attention_workspace_bytes(B, H, 1, D, KVH, M, lib=lib)), dtype=torch.uint8,
                      device="cuda")
     timer("TieredAttention", model, shape, lambda: cuda_ops.tiered_attention(**inputs, out=outs, workspace=ws,
                                                                                lib=lib),
-          attention_bytes(inputs), splits=splits, pages_per_split=per)
+          attention_bytes(inputs), **plan)
     timer("TieredAttention (one split)", model, shape,
           lambda: cuda_ops.tiered_attention(**inputs, out=outs, num_splits=1, lib=lib), attention_bytes(inputs))
 
     s_in = score_inputs(inputs, context)
     score = torch.empty(B, M, device="cuda")
+    s_ws = torch.empty(cuda_ops.importance_score_workspace_bytes(B, H, M, lib=lib), dtype=torch.uint8, device="cuda")
     timer("ImportanceScore", model, shape,
-          lambda: cuda_ops.importance_score(**s_in, weights=(0.4, 0.3, 0.3), out=score, lib=lib),
-          2 * s_in["kmin"].numel() * 4 + s_in["q"].numel() * 4 + B * M * 28)
+          lambda: cuda_ops.importance_score(**s_in, weights=(0.4, 0.3, 0.3), workspace=s_ws, out=score, lib=lib),
+          score_bytes(s_in), summaries=dname, of_attention_bytes=round(score_bytes(s_in) / attention_bytes(inputs), 3))
 
     new = append_inputs(inputs)
     k_pool, v_pool = inputs["k_pool"], inputs["v_pool"]
@@ -377,7 +426,7 @@ def write_report(out: Path, report: dict) -> None:
     if timings:
         lines += ["## Timings", "",
                   "Per call (CUDA graph replays between one event pair); GB/s of the bytes each op must move "
-                  "(K / V of the listed pages, or the encoded bytes, plus its other inputs and outputs).", "",
+                  "(K / V of the kept pages, or the encoded bytes, plus its other inputs and outputs).", "",
                   "| op | model | shape | µs | MB moved | GB/s | of HBM | of copy | notes |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for t in timings:
@@ -407,7 +456,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", nargs="+", default=["copy", "check", "timing"], choices=["copy", "check", "timing"])
     ap.add_argument("--presets", nargs="+", default=["smollm2-135m", "llama2-70b"])
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
-    ap.add_argument("--listed", type=float, nargs="+", default=[1.0, 0.25], help="shares of the pages listed")
+    ap.add_argument("--listed", type=float, nargs="+", default=[1.0, 0.25],
+                    help="shares of the pages listed (all kept)")
+    ap.add_argument("--kept", type=float, nargs="*", default=[0.25],
+                    help="shares of the pages kept by the mask, every page listed (the runtime's form; clustered)")
     ap.add_argument("--dtypes", nargs="+", default=["float16", "float32"], choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--check-context", type=int, default=32768)
@@ -456,13 +508,15 @@ def main(argv: list[str] | None = None) -> int:
         report["timings"] = []
         for model in args.presets:
             for context in args.contexts:
-                for listed in args.listed:
+                selections = [(listed, 1.0) for listed in args.listed] + [(1.0, kept) for kept in args.kept]
+                for listed, kept in selections:
                     for dname in args.dtypes:
-                        def run_shape(model=model, context=context, listed=listed, dname=dname) -> None:
-                            bench_shape(lib, timer, model, preset(model), context, listed, getattr(torch, dname), args)
+                        def run_shape(model=model, context=context, listed=listed, kept=kept, dname=dname) -> None:
+                            bench_shape(lib, timer, model, preset(model), context, listed, getattr(torch, dname), args,
+                                        kept=kept)
                             report["timings"] = [asdict(t) for t in timer.timings]
                             torch.cuda.empty_cache()  # the shape's tensors are gone with bench_shape
-                        group(f"timing {model} ctx={context} listed={listed} {dname}", run_shape)
+                        group(f"timing {model} ctx={context} listed={listed} kept={kept} {dname}", run_shape)
     write_report(args.out, report)
     failed = [c["name"] for c in report.get("checks", []) if not c["ok"]]
     for name in failed:

@@ -3,6 +3,7 @@
 #include "tieredkv_kernels.h"
 
 #include "kernels/codec.cuh"
+#include "kernels/attention_host.cuh"
 #include "kernels/importance_score.cuh"
 #include "kernels/kv_append.cuh"
 #include "kernels/tiered_attention.cuh"
@@ -34,16 +35,37 @@ TKV_API int64_t tkv_tiered_attention_workspace(int64_t B, int64_t H, int64_t T, 
 }
 
 TKV_API int tkv_tiered_attention_plan(int64_t B, int64_t H, int64_t T, int64_t D, int64_t KVH, int64_t M,
-                                      int32_t sm_count, int32_t num_splits, int64_t workspace_bytes,
-                                      int32_t* splits, int32_t* pages_per_split) {
-    if (splits == nullptr || pages_per_split == nullptr || sm_count < 0 || num_splits < 0 ||
+                                      int32_t sm_count, int32_t blocks_per_sm, int32_t num_splits,
+                                      int64_t workspace_bytes, int32_t* splits, int32_t* pages_per_split) {
+    if (splits == nullptr || pages_per_split == nullptr || sm_count < 0 || blocks_per_sm < 0 || num_splits < 0 ||
         !attn::sizes_valid(B, H, T, D, 0, KVH, 1, M)) {
         return invalid();
     }
-    const attn::SplitPlan plan = attn::make_split_plan(B, H, T, D, KVH, M, sm_count, num_splits, workspace_bytes);
+    const attn::SplitPlan plan =
+        attn::make_split_plan(B, H, T, D, KVH, M, sm_count, blocks_per_sm, num_splits, workspace_bytes);
     *splits = plan.splits;
     *pages_per_split = plan.pages_per_split;
     return 0;
+}
+
+TKV_API int tkv_tiered_attention_occupancy(int64_t H, int64_t T, int64_t D, int64_t KVH, int32_t kv_dtype,
+                                           int32_t warm, int32_t* blocks_per_sm, int32_t* tensor_cores) {
+    if (blocks_per_sm == nullptr || tensor_cores == nullptr || attn::kv_elem_bytes(kv_dtype) == 0 ||
+        !attn::sizes_valid(1, H, T, D, 0, KVH, 1, 0)) {
+        return invalid();
+    }
+    attn::Problem p{};
+    p.H = H;
+    p.T = T;
+    p.D = D;
+    p.KVH = KVH;
+    const attn::KernelChoice choice = attn::call_choice(p, kv_dtype, true);
+    int n = 0;
+    const cudaError_t err = warm != 0 ? attn::split_occupancy_of<attn::WarmPages>(kv_dtype, choice, &n)
+                                      : attn::split_occupancy_of<attn::NoWarmPages>(kv_dtype, choice, &n);
+    *blocks_per_sm = n;
+    *tensor_cores = choice.mma ? 1 : 0;
+    return static_cast<int>(err);
 }
 
 TKV_API int tkv_tiered_attention(const float* q, const void* k_pool, const void* v_pool, const int64_t* page_table,
@@ -80,16 +102,17 @@ TKV_API int tkv_tiered_attention_host(const float* q, const void* k_pool, const 
                                       float* page_probs, int64_t B, int64_t H, int64_t T, int64_t D, int64_t C,
                                       int64_t KVH, int64_t P, int64_t M, float scale, int32_t kv_dtype,
                                       const void* warm_pool, const int64_t* warm_row, int64_t W,
-                                      const tkv_codec_desc_t* desc, int32_t sm_count, int32_t num_splits) {
+                                      const tkv_codec_desc_t* desc, int32_t sm_count, int32_t blocks_per_sm,
+                                      int32_t num_splits) {
     const attn::Problem p = problem(q, k_pool, v_pool, page_table, page_mask, page_index, seq_len, past, out, lse,
                                     page_probs, B, H, T, D, C, KVH, P, M, scale);
     if (desc == nullptr) {
         if (warm_pool != nullptr || warm_row != nullptr || W != 0) return invalid();
-        return static_cast<int>(attn::attention_host(p, kv_dtype, nullptr, sm_count, num_splits));
+        return static_cast<int>(attn::attention_host(p, kv_dtype, nullptr, sm_count, blocks_per_sm, num_splits));
     }
     attn::WarmPages warm;
     if (!attn::make_warm(p, warm_pool, warm_row, W, desc, &warm)) return invalid();
-    return static_cast<int>(attn::attention_host(p, kv_dtype, &warm, sm_count, num_splits));
+    return static_cast<int>(attn::attention_host(p, kv_dtype, &warm, sm_count, blocks_per_sm, num_splits));
 }
 
 TKV_API int tkv_codec_desc(const char* name, int64_t kvh, int64_t p, int64_t d, tkv_codec_desc_t* out) {
@@ -137,6 +160,22 @@ TKV_API int tkv_importance_score(const float* q, const float* kmin, const float*
     return static_cast<int>(tieredkv::kernels::launch_importance_score(
         q, kmin, kmax, page_tokens, distance, saliency, page_mask, position_table, score, B, H, D, M, KVH, NB, w_rel,
         w_pos, w_sal, scale, as_stream(stream)));
+}
+
+TKV_API int64_t tkv_importance_score_workspace(int64_t B, int64_t H, int64_t M) {
+    if (B < 0 || H < 0 || M < 0) return -1;
+    return tieredkv::kernels::importance::workspace_bytes(B, H, M);
+}
+
+TKV_API int tkv_importance_score_ex(const void* q, const void* kmin, const void* kmax, const int64_t* page_tokens,
+                                    const int64_t* distance, const float* saliency, const int32_t* page_mask,
+                                    const float* position_table, float* score, int64_t B, int64_t H, int64_t D,
+                                    int64_t M, int64_t KVH, int64_t NB, float w_rel, float w_pos, float w_sal,
+                                    float scale, int32_t q_dtype, int32_t summary_dtype, void* workspace,
+                                    int64_t workspace_bytes, void* stream) {
+    return static_cast<int>(tieredkv::kernels::launch_importance_score_ex(
+        q, q_dtype, kmin, kmax, summary_dtype, page_tokens, distance, saliency, page_mask, position_table, score, B, H,
+        D, M, KVH, NB, w_rel, w_pos, w_sal, scale, workspace, workspace_bytes, as_stream(stream)));
 }
 
 TKV_API const char* tkv_error_string(int status) { return cudaGetErrorString(static_cast<cudaError_t>(status)); }

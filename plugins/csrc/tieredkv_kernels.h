@@ -93,33 +93,43 @@ TKV_API int tkv_decode_pages_host(const uint8_t* data, float* k, float* v, int64
 #define TKV_DTYPE_BF16 2 /* bfloat16 */
 
 /* TieredAttention is split-K flash-decoding: one block per (sequence b, kv head, group of at most
- * 8 of the kv head's G x T queries, split of the listed pages) runs one pass with an online
- * softmax over its pages; with more than one split a second kernel merges the splits by
- * log-sum-exp (docs/plugins.md, "CUDA kernels"). The partial results of the splits live in a
- * device workspace the caller provides (tkv_tiered_attention_workspace bytes); without one
- * (workspace NULL or workspace_bytes 0) the op runs as a single split, which is exact too but
- * uses only B * KVH * ceil(G * T / 8) blocks. */
+ * 8 of the kv head's G x T queries, split) runs one pass with an online softmax over its pages; the
+ * splits of a sequence share its kept pages (page_mask != 0) evenly by rank, and with more than one
+ * split a second kernel merges them by log-sum-exp (docs/plugins.md, "CUDA kernels"). Float16 /
+ * bfloat16 pools with D a multiple of 16 run on tensor cores, the rest on CUDA cores. The partial
+ * results of the splits live in a device workspace the caller provides
+ * (tkv_tiered_attention_workspace bytes); without one (workspace NULL or workspace_bytes 0) the op
+ * runs as a single split, which is exact too but uses only B * KVH * ceil(G * T / 8) blocks. */
 
 /* Workspace bytes that tkv_tiered_attention and tkv_tiered_attention_warm may use at these
- * sizes: min(min(ceil(M / 4), 128) * B*H*T, 8192) * (D + 2) * 4, an upper bound of every split
- * plan, non-decreasing in every size (so the bound at the largest sizes serves any smaller call,
- * as TensorRT's getWorkspaceSize requires); 0 when M <= 4 (never split). -1 for sizes the ops
+ * sizes: min(min(ceil(M / 4), 128) * B*H*T, 32768) * (D + 2) * 4, an upper bound of every chosen
+ * split plan, non-decreasing in every size (so the bound at the largest sizes serves any smaller
+ * call, as TensorRT's getWorkspaceSize requires); 0 when M <= 4 (never split). -1 for sizes the ops
  * refuse (see tkv_tiered_attention). Host only. */
 TKV_API int64_t tkv_tiered_attention_workspace(int64_t B, int64_t H, int64_t T, int64_t D, int64_t KVH, int64_t M);
 
-/* The split plan the ops use: *splits (>= 1) and *pages_per_split (listed pages per split, the
- * last split may hold fewer; 0 when M = 0) for these sizes on a device with sm_count SMs (the
- * device ops ask the current device), given workspace_bytes of workspace (a plan never needs
- * more). num_splits = 0 chooses min(ceil(2 * sm_count / R), ceil(M / 4), 128, floor(1024 / R))
- * with R = B * KVH * ceil(G * T / min(G * T, 8)) blocks per split (about two waves of blocks,
- * splits of about 4 pages or more); num_splits > 0 asks for that many (clamped to [1, max(M, 1)]
- * and 128). Then pages_per_split = ceil(M / splits) and splits = ceil(M / pages_per_split) (no
- * empty split), and the count is lowered to what the workspace holds (splits * B*H*T * (D + 2) *
- * 4 bytes for splits > 1). Returns 0, or cudaErrorInvalidValue (1) for bad sizes or null
- * outputs. Host only. */
+/* The split plan the ops use: *splits (>= 1) and *pages_per_split (ceil(M / splits): the most kept
+ * pages a split reads; 0 when M = 0) for these sizes on a device with sm_count SMs on which the
+ * split kernel keeps blocks_per_sm blocks resident (the device ops ask the current device and the
+ * kernel: tkv_tiered_attention_occupancy), given workspace_bytes of workspace (a plan never needs
+ * more). num_splits = 0 chooses the count s in 1 .. min(128, ceil(M / 4), 4096 / R) of least
+ * ceil(R s / (sm_count * blocks_per_sm)) * (ceil(M / s) + 4) + (s > 1 ? 8 : 0), R = B * KVH *
+ * ceil(G * T / min(G * T, 8)) blocks per split: whole waves of blocks, each wave as long as its
+ * pages plus a block's fixed work, and the merge (ties: fewer splits); num_splits > 0 asks for that
+ * many (clamped to [1, max(M, 1)] and 128). Then the count is lowered to what the workspace holds
+ * (splits * B*H*T * (D + 2) * 4 bytes for splits > 1). Returns 0, or cudaErrorInvalidValue (1) for
+ * bad sizes or null outputs. Host only. */
 TKV_API int tkv_tiered_attention_plan(int64_t B, int64_t H, int64_t T, int64_t D, int64_t KVH, int64_t M,
-                                      int32_t sm_count, int32_t num_splits, int64_t workspace_bytes,
-                                      int32_t* splits, int32_t* pages_per_split);
+                                      int32_t sm_count, int32_t blocks_per_sm, int32_t num_splits,
+                                      int64_t workspace_bytes, int32_t* splits, int32_t* pages_per_split);
+
+/* The split kernel tkv_tiered_attention (warm = 0) or tkv_tiered_attention_warm (warm != 0) runs for
+ * these sizes and pools of kv_dtype (16-byte aligned, as allocators give), on the current device:
+ * *blocks_per_sm, its resident blocks per SM (cudaOccupancyMaxActiveBlocksPerMultiprocessor), and
+ * *tensor_cores, 1 for the tensor-core kernel, 0 for the CUDA-core one. Returns 0, a CUDA error
+ * (no device), or cudaErrorInvalidValue for bad sizes or null outputs. */
+TKV_API int tkv_tiered_attention_occupancy(int64_t H, int64_t T, int64_t D, int64_t KVH, int32_t kv_dtype,
+                                           int32_t warm, int32_t* blocks_per_sm, int32_t* tensor_cores);
 
 /* TieredAttention: q [B,H,T,D] f32; k_pool, v_pool [C,KVH,P,D] of kv_dtype (TKV_DTYPE_*, both
  * pools one type); page_table [B,M] i64; page_mask [B,M] i32 (nonzero = kept); page_index [B,M]
@@ -157,19 +167,22 @@ TKV_API int tkv_tiered_attention_warm(const float* q, const void* k_pool, const 
 
 /* The host emulation of TieredAttention (HOST pointers; synchronous; no device needed): the
  * arguments of tkv_tiered_attention_warm (warm_pool NULL, warm_row NULL, W 0 and desc NULL for
- * the plain op), then sm_count and num_splits in place of the workspace and stream. It runs the
- * kernels' algorithm on the CPU block by block: the split plan of tkv_tiered_attention_plan (its
- * workspace allocated here), the lane layout and page / key assignment of the split kernel
- * (warps, row groups, the butterfly reductions in their order), its online softmax, per-page
- * log-sum-exp and block combine, and the merge of the splits, through the same
- * __host__ __device__ functions the kernels call. Returns 0 or cudaErrorInvalidValue. */
+ * the plain op), then sm_count, blocks_per_sm and num_splits in place of the workspace and stream.
+ * It runs the algorithm of the split kernel the device would run (16-byte aligned pools) on the
+ * CPU block by block: the split plan of tkv_tiered_attention_plan (its workspace allocated here),
+ * each split's kept pages by rank and the warps' share of them; for the tensor-core kernel its
+ * tiles of 16 keys, per-tile softmax and two-term (hi + lo) 16-bit operands, for the CUDA-core
+ * kernel its lane layout and butterfly reductions in their order; the page log-sum-exps, the block
+ * combine and the merge of the splits, through the same __host__ __device__ functions the kernels
+ * call. Returns 0 or cudaErrorInvalidValue. */
 TKV_API int tkv_tiered_attention_host(const float* q, const void* k_pool, const void* v_pool,
                                       const int64_t* page_table, const int32_t* page_mask, const int64_t* page_index,
                                       const int64_t* seq_len, const int64_t* past, float* out, float* lse,
                                       float* page_probs, int64_t B, int64_t H, int64_t T, int64_t D, int64_t C,
                                       int64_t KVH, int64_t P, int64_t M, float scale, int32_t kv_dtype,
                                       const void* warm_pool, const int64_t* warm_row, int64_t W,
-                                      const tkv_codec_desc_t* desc, int32_t sm_count, int32_t num_splits);
+                                      const tkv_codec_desc_t* desc, int32_t sm_count, int32_t blocks_per_sm,
+                                      int32_t num_splits);
 
 /* KVAppend: k_pool, v_pool [C,KVH,P,D]; k_new, v_new [N,KVH,D]; slot, offset [N] i64
  * -> k_pool_out, v_pool_out [C,KVH,P,D] with out[slot[n], :, offset[n], :] = new[n]. In place
@@ -183,12 +196,33 @@ TKV_API int tkv_kv_append(const void* k_pool, const void* v_pool, const void* k_
 
 /* ImportanceScore: q [B,H,D] f32; kmin, kmax [B,M,KVH,D] f32; page_tokens, distance [B,M] i64;
  * saliency [B,M] f32; page_mask [B,M] i32 (nonzero = the page competes); position_table [NB] f32
- * -> score [B,M] f32. weights = (w_rel, w_pos, w_sal). */
+ * -> score [B,M] f32. weights = (w_rel, w_pos, w_sal). No workspace: one block per (b, h) reads all
+ * its pages' summaries twice; tkv_importance_score_ex is the one-pass form. */
 TKV_API int tkv_importance_score(const float* q, const float* kmin, const float* kmax, const int64_t* page_tokens,
                                  const int64_t* distance, const float* saliency, const int32_t* page_mask,
                                  const float* position_table, float* score, int64_t B, int64_t H, int64_t D,
                                  int64_t M, int64_t KVH, int64_t NB, float w_rel, float w_pos, float w_sal,
                                  float scale, void* stream);
+
+/* Workspace bytes tkv_importance_score_ex needs: 4 * B * H * (M + 2 * ceil(M / 64)) (the bounds of
+ * every head and page, and each head's softmax statistics per chunk of 64 pages); non-decreasing
+ * in every size. -1 for negative sizes. Host only. */
+TKV_API int64_t tkv_importance_score_workspace(int64_t B, int64_t H, int64_t M);
+
+/* ImportanceScore with one pass over the page summaries per kv head: the op of
+ * tkv_importance_score, with q [B,H,D] of q_dtype and kmin, kmax [B,M,KVH,D] of summary_dtype
+ * (TKV_DTYPE_F32 / _F16 / _BF16: the pools' type holds the min / max of its keys exactly), and a
+ * device workspace of tkv_importance_score_workspace bytes (required when w_rel != 0; unused, may
+ * be NULL, otherwise). A bound kernel per (b, kv head, 64 pages) reads each competing page's
+ * summaries once for all H / KVH query heads of the kv head; a mix kernel per (b, 256 pages)
+ * merges the heads' softmax statistics and mixes. Masked pages are not read. Also requires
+ * H / KVH * (D + 64) * 4 <= 227 KB (the kv head's queries in shared memory). */
+TKV_API int tkv_importance_score_ex(const void* q, const void* kmin, const void* kmax, const int64_t* page_tokens,
+                                    const int64_t* distance, const float* saliency, const int32_t* page_mask,
+                                    const float* position_table, float* score, int64_t B, int64_t H, int64_t D,
+                                    int64_t M, int64_t KVH, int64_t NB, float w_rel, float w_pos, float w_sal,
+                                    float scale, int32_t q_dtype, int32_t summary_dtype, void* workspace,
+                                    int64_t workspace_bytes, void* stream);
 
 /* Name of a status code returned above (cudaGetErrorString). */
 TKV_API const char* tkv_error_string(int status);

@@ -26,7 +26,8 @@ from csrc_build import trt_include as _trt_include
 from tieredkv.plugins import cuda_ops
 
 C_ABI = ["tkv_tiered_attention", "tkv_tiered_attention_warm", "tkv_tiered_attention_host",
-         "tkv_tiered_attention_workspace", "tkv_tiered_attention_plan", "tkv_kv_append", "tkv_importance_score",
+         "tkv_tiered_attention_workspace", "tkv_tiered_attention_plan", "tkv_tiered_attention_occupancy",
+         "tkv_kv_append", "tkv_importance_score", "tkv_importance_score_ex", "tkv_importance_score_workspace",
          "tkv_codec_desc", "tkv_codec_desc_sizeof", "tkv_encode_pages", "tkv_decode_pages", "tkv_encode_pages_host",
          "tkv_decode_pages_host", "tkv_error_string"]
 

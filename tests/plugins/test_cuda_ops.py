@@ -93,7 +93,8 @@ OPS = {
     "tiered_attention_warm": Op(cuda_ops.tiered_attention_warm, _warm, dict(desc=_desc(KVH, P, D, BYTES)),
                                 ("q", "page_table")),
     "tiered_attention_host": Op(cuda_ops.tiered_attention_host, _attention_host,
-                                dict(desc=_desc(KVH, P, D, BYTES), sm_count=132), ("q", "page_table"), host=True),
+                                dict(desc=_desc(KVH, P, D, BYTES), sm_count=132, blocks_per_sm=3), ("q", "page_table"),
+                                host=True),
     "kv_append": Op(cuda_ops.kv_append, _kv_append, {}, ("k_pool",)),
     "importance_score": Op(cuda_ops.importance_score, _importance, dict(weights=(0.4, 0.3, 0.3)),
                            ("q", "position_table")),
@@ -191,8 +192,27 @@ def test_attention_takes_the_plugin_input_types():
         _call(host, t, num_splits=-1)
     with pytest.raises(ValueError, match=r"^sm_count: expected an int >= 0"):
         _call(host, t, sm_count=-2)
+    with pytest.raises(ValueError, match=r"^blocks_per_sm: expected an int >= 0"):
+        _call(host, t, blocks_per_sm=1.5)
     with pytest.raises(ValueError, match=r"^num_splits: expected an int >= 0"):
         _call(OPS["tiered_attention"], _attention(), num_splits=1.5)
+
+
+def test_importance_takes_16_bit_queries_and_summaries():
+    """q and the page summaries may be float32, float16 or bfloat16 (the summaries one dtype): such
+    calls pass the dtype and shape checks (on the CPU, the device check is what stops them)."""
+    score = OPS["importance_score"]
+    for q_dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for s_dtype in (torch.float32, torch.float16, torch.bfloat16):
+            t = _importance()
+            t |= dict(q=t["q"].to(q_dtype), kmin=t["kmin"].to(s_dtype), kmax=t["kmax"].to(s_dtype))
+            with pytest.raises(ValueError, match=r"^q: expected a CUDA tensor, got one on cpu"):
+                _call(score, t)
+    t = _importance()
+    with pytest.raises(ValueError, match=r"^kmax: expected dtype torch.float16, got torch.float32"):
+        _call(score, t | dict(kmin=t["kmin"].half()))
+    with pytest.raises(ValueError, match=r"^q: expected dtype float32, float16 or bfloat16, got torch.int32"):
+        _call(score, t | dict(q=t["q"].to(torch.int32)))
 
 
 def test_outputs_are_checked_like_inputs():
@@ -326,3 +346,27 @@ def test_a_nonzero_status_is_a_runtime_error_with_the_library_message(tmp_path_f
     data = torch.zeros(N, tampered.page_bytes, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match=r"^tkv_decode_pages_host: invalid argument \(status 1\)$"):
         cuda_ops.decode_pages_host(data, tampered, lib=lib)
+
+
+@needs_nvcc
+def test_the_importance_workspace_and_the_entry_checks(tmp_path_factory):
+    """tkv_importance_score_workspace is the documented size and never shrinks as a size grows; the
+    one-pass entry refuses what it cannot run before touching a device (no GPU here): a relevance
+    weight without a workspace (or with too small a one), unknown dtype codes, H not a multiple of
+    KVH; an empty call is a no-op."""
+    lib = load_kernels(tmp_path_factory)
+    for b, h, m in ((1, 64, 2048), (3, 9, 1), (2, 8, 65), (1, 1, 0)):
+        want = 4 * b * h * (m + 2 * -(-m // 64))
+        assert cuda_ops.importance_score_workspace_bytes(b, h, m, lib=lib) == want
+        for grown in ((b + 1, h, m), (b, h + 1, m), (b, h, m + 1)):
+            assert cuda_ops.importance_score_workspace_bytes(*grown, lib=lib) >= want
+    with pytest.raises(ValueError, match=r"sizes must be >= 0"):
+        cuda_ops.importance_score_workspace_bytes(1, -1, 4, lib=lib)
+
+    def call(b=1, h=8, m=4, kvh=2, w_rel=0.4, q_dtype=0, s_dtype=1, ws_bytes=0):
+        return lib.tkv_importance_score_ex(*([None] * 9), b, h, 64, m, kvh, 16, w_rel, 0.3, 0.3, 0.125, q_dtype,
+                                           s_dtype, None, ws_bytes, None)
+
+    assert call(ws_bytes=0) == 1 and call(ws_bytes=4 * 8 * (4 + 2) - 1) == 1  # relevance needs the workspace
+    assert call(q_dtype=3) == 1 and call(s_dtype=-1) == 1 and call(h=7) == 1
+    assert call(b=0) == 0 and call(m=0) == 0  # nothing to score

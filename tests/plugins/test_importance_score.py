@@ -222,3 +222,44 @@ def test_kv_head_relevance_is_the_share_of_each_query_group_alone(seed):
     for j in range(KVH):
         by_head = 0.5 * rel[:, j] + 0.3 * table[distance_bucket(distance, 16)] + 0.2 * saliency
         assert torch.allclose(score[:, j], torch.where(mask, by_head, torch.zeros_like(by_head)), atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("summary", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("case", [CASES[1], CASES[5], CASES[6], CASES[7]], ids=case_id)
+def test_cuda_one_pass_over_16_bit_summaries(kernels, case, summary, q_dtype):
+    """The one-pass kernels over page summaries in a pool's 16-bit type (exact for the min / max of
+    keys of that type) and a 16-bit or float32 q: equal to the reference on the same values."""
+    from tieredkv.plugins import cuda_ops
+
+    inputs = importance_score_inputs(torch.Generator().manual_seed(case["M"] + 7), **case)
+    inputs |= dict(q=inputs["q"].to(q_dtype), kmin=inputs["kmin"].to(summary), kmax=inputs["kmax"].to(summary))
+    scale = case["D"] ** -0.5
+    widened = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+    ref = importance_score(**widened, scale=scale)
+    got = cuda_ops.importance_score(**on_cuda(inputs), scale=scale, lib=kernels)
+    torch.cuda.synchronize()
+    assert_close(got.cpu(), ref, TOLERANCE["cuda"], "score")
+
+
+@pytest.mark.cuda
+def test_cuda_float32_entry_without_workspace(kernels):
+    """tkv_importance_score (float32, no workspace: the TensorRT plugin's entry) equals the
+    reference too."""
+    import ctypes
+
+    case = CASES[7]
+    inputs = importance_score_inputs(torch.Generator().manual_seed(5), **case)
+    scale = case["D"] ** -0.5
+    ref = importance_score(**inputs, scale=scale)
+    dev = on_cuda({k: v for k, v in inputs.items() if k != "weights"})
+    dev["page_mask"] = dev["page_mask"].to(torch.int32)
+    score = torch.empty(case["B"], case["M"], device="cuda")
+    names = ("q", "kmin", "kmax", "page_tokens", "distance", "saliency", "page_mask", "position_table")
+    status = kernels.tkv_importance_score(*(dev[n].data_ptr() for n in names), score.data_ptr(), case["B"], case["H"],
+                                         case["D"], case["M"], case["KVH"], case["NB"], *case["weights"], scale,
+                                         ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+    assert status == 0
+    torch.cuda.synchronize()
+    assert_close(score.cpu(), ref, TOLERANCE["cuda"], "score")

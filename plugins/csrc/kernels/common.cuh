@@ -3,7 +3,9 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
+#include <utility>
 
 namespace tieredkv {
 namespace kernels {
@@ -71,6 +73,64 @@ __device__ __forceinline__ void block_softmax_stats(float run_max, float run_den
     __syncthreads();
     mx = block_stats[0];
     den = block_stats[1];
+}
+
+//! Programmatic dependent launch (sm_90): wait for the grid this one depends on (its writes
+//! visible), and let the grid that depends on this one be scheduled. Both no-ops without it.
+__device__ __forceinline__ void wait_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependent_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+constexpr int kMaxDevices = 64;
+
+//! The current device, or -1 when the runtime cannot say.
+inline int current_device() {
+    int device = 0;
+    return cudaGetDevice(&device) == cudaSuccess ? device : -1;
+}
+
+//! A device attribute of the current device (cached per device); 0 when the runtime cannot say.
+template <cudaDeviceAttr kAttr>
+inline int device_attribute() {
+    static std::atomic<int> cache[kMaxDevices];
+    const int device = current_device();
+    if (device < 0) return 0;
+    if (device < kMaxDevices) {
+        const int known = cache[device].load(std::memory_order_relaxed);
+        if (known > 0) return known;
+    }
+    int value = 0;
+    if (cudaDeviceGetAttribute(&value, kAttr, device) != cudaSuccess) return 0;
+    if (device < kMaxDevices) cache[device].store(value, std::memory_order_relaxed);
+    return value;
+}
+
+inline int current_sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>(); }
+
+//! Launches `kernel` on `grid` blocks of `threads`; as a programmatic dependent launch on sm_90 and
+//! later, so the kernel must start with wait_prior_grid (its launch then overlaps the previous
+//! kernel's end).
+template <typename... Params, typename... Args>
+inline cudaError_t launch_kernel(void (*kernel)(Params...), unsigned int grid, unsigned int threads, size_t smem,
+                                 cudaStream_t stream, Args&&... args) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(grid);
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attribute;
+    config.numAttrs = device_attribute<cudaDevAttrComputeCapabilityMajor>() >= 9 ? 1 : 0;
+    return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 //! Number of blocks of `threads` covering `n` items, capped for a grid-stride loop.
