@@ -1,4 +1,4 @@
-"""Prefix reuse across requests, tier-aware (DESIGN.md, "Serving: one request's path").
+"""Prefix reuse across requests, tier-aware (docs/serving.md).
 
 Every *full* page of a request's tokens gets a key: a hash chained over the prefix —
 ``key(page i) = H(key(page i-1) || the page's token ids)``, where the chain starts from the

@@ -9,7 +9,7 @@ Budgets are strings or numbers:
   page summaries kept for scoring are reported separately, not counted);
 * ``2048`` or ``"2048"`` / ``"2048tok"`` — tokens per sequence-layer, i.e. pages * page size.
 
-Two budgets are never confused (DESIGN.md): ``device_budget`` is what may be resident on
+Two budgets are never confused (docs/tiers.md): ``device_budget`` is what may be resident on
 the device (T0 + T1 + T2 + the staging area); ``attention_budget`` is how many pages one
 decode step attends to (T0 included). A needed page that is not resident is a miss.
 """
