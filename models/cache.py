@@ -12,12 +12,23 @@ Shapes (B = sequences in the step, T = new tokens per sequence):
   q: [B, num_heads, T, head_dim]      k, v: [B, num_kv_heads, T, head_dim]
   attend(...) -> [B, num_heads, T, head_dim]
 New token ``t`` of sequence ``b`` sees every cached token of ``b`` and new tokens ``<= t``.
+
+The serving layer (scheduler, engine, prefix index, remote tier, Triton health) sees a cache
+through the rest of :class:`KVCache` only, the paged and the tiered cache alike (in the
+spirit of vLLM's ``KVCacheManager``): its page arithmetic (``page_size``, capacities, the
+device pages a sequence holds as it grows), slots for a step (``allocate_slots``: no room is
+``False``, never an exception), ``free_sequence``, ``pause`` / ``resume`` (demotion, where the
+cache ``demotes``), ``usage`` (pages and bytes per tier), prefix pages (``pages_of``,
+``add_sequence(shared=...)``, ``hold_pages`` / ``drop_pages``, ``page_refs``, ``page_tiers``,
+where the cache ``shares_pages``), page read / load for the remote tier (``read_pages``,
+``load_pages``) and ``check`` (the cache's invariants).
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -68,8 +79,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
+@dataclass(frozen=True)
+class KVUsage:
+    """What a cache holds now (``KVCache.usage``), for the serving layer's metrics and health.
+    Pages are counted per layer (every layer holds the same pages); bytes over all layers."""
+
+    sequences: int  # sequences open (running or paused)
+    device_pages: int  # pages the device holds, for sequences and the prefix index
+    device_capacity: int | None  # the most it may hold (None: no bound)
+    device_bytes: int  # bytes of those pages on the device (encoded pages at their encoded size)
+    token_bytes: int  # of ``device_bytes``, the bytes that hold tokens (a partial page holds fewer than P)
+    sequence_refs: int  # page references held by sequences (a page two sequences share counts twice)
+    indexed_pages: int  # pages the prefix index holds
+    tier_bytes: dict[str, int] = field(default_factory=dict)  # bytes per tier (paged: {"device": ...})
+
+
+def _pages(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
 class KVCache(abc.ABC):
-    """A store of per-sequence K/V that the model attends through (see module docstring)."""
+    """A store of per-sequence K/V that the model attends through (see module docstring).
+
+    The defaults of the serving interface describe a cache without pages, counted in tokens
+    and without a budget (the contiguous oracle); the paged and the tiered cache override
+    them."""
 
     spec: KVSpec
 
@@ -116,6 +150,120 @@ class KVCache(abc.ABC):
 
     def close(self) -> None:
         """Release what outlives the sequences (files); the cache's statistics stay readable."""
+
+    # ------------------------------------------------------------------ the serving interface
+    @property
+    def page_size(self) -> int:
+        """Tokens per page (1: a cache without pages is counted in tokens)."""
+        return 1
+
+    @property
+    def device_capacity(self) -> int | None:
+        """Pages (per layer) the device may hold; None: no bound."""
+        return None
+
+    @property
+    def host_capacity(self) -> int | None:
+        """Pages (per layer) a bounded host tier holds when no disk tier takes what it cannot;
+        None: no bound to count against."""
+        return None
+
+    @property
+    def demotes(self) -> bool:
+        """Whether :meth:`pause` can take a sequence's pages off the device (preemption by
+        demotion) and :meth:`resume` bring it back."""
+        return False
+
+    @property
+    def shares_pages(self) -> bool:
+        """Whether sequences can share full pages (prefix reuse: ``add_sequence(shared=...)``,
+        :meth:`hold_pages`)."""
+        return False
+
+    def device_pages(self, tokens_now: int, tokens_after: int, *, prompt: int | None = None) -> int:
+        """Device pages one running sequence holds while it grows from ``tokens_now`` to
+        ``tokens_after`` tokens; ``prompt``: its prompt's length while it is still prefilling it."""
+        return _pages(tokens_after, self.page_size)
+
+    def admission_pages(self, prompt: int, first_chunk: int) -> int:
+        """Device pages a newly admitted sequence with a ``prompt``-token prompt needs before it
+        makes progress (its first prefill chunk of ``first_chunk`` tokens)."""
+        return _pages(first_chunk, self.page_size)
+
+    def reserve_pages(self, tokens: int) -> int:
+        """Device pages to reserve for a sequence that will reach ``tokens`` tokens, so that it
+        never needs more."""
+        return _pages(tokens, self.page_size)
+
+    def allocate_slots(self, seq_ids: Sequence[int], num_new: int) -> bool:
+        """Make room for ``num_new`` more tokens of each of ``seq_ids`` in the next step: True when
+        the step will find its slots, False (and nothing taken) when there is no room."""
+        return True
+
+    def pause(self, seq_id: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not demote sequences")
+
+    def resume(self, seq_id: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not demote sequences")
+
+    @abc.abstractmethod
+    def usage(self) -> KVUsage:
+        """Pages and bytes held now (:class:`KVUsage`)."""
+
+    def counters(self) -> dict[str, int]:
+        """Totals since the cache started of what it counts about its pages (the tiered cache:
+        hits, misses, masked pages, bytes moved per direction, page moves per kind); empty for a
+        cache that moves nothing."""
+        return {}
+
+    def pages_of(self, seq_id: int) -> list[int]:
+        """The pages of a sequence, in logical order (page ids of the cache's page space)."""
+        raise NotImplementedError(f"{type(self).__name__} has no shared pages")
+
+    def hold_pages(self, pages: Sequence[int]) -> None:
+        """The prefix index keeps these full pages past their sequences (one reference each)."""
+        raise NotImplementedError(f"{type(self).__name__} has no shared pages")
+
+    def drop_pages(self, pages: Sequence[int]) -> None:
+        """The prefix index lets these pages go; the ones no sequence lists are freed."""
+        raise NotImplementedError(f"{type(self).__name__} has no shared pages")
+
+    def page_refs(self, pages: Sequence[int]) -> list[int]:
+        """References to each page (sequences listing it, plus one while the index holds it)."""
+        raise NotImplementedError(f"{type(self).__name__} has no shared pages")
+
+    def pages_indexed(self, pages: Sequence[int]) -> list[bool]:
+        """Whether the prefix index holds each page."""
+        raise NotImplementedError(f"{type(self).__name__} has no shared pages")
+
+    def page_tiers(self, pages: Sequence[int]) -> list[str]:
+        """Where each page is: ``device``, ``host`` or ``disk``."""
+        raise NotImplementedError(f"{type(self).__name__} has no shared pages")
+
+    def read_pages(self, pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact K, V of full pages, [L, n, KVH, P, D] each, in host memory (in the cache's
+        storage dtype)."""
+        raise NotImplementedError(f"{type(self).__name__} has no pages to read")
+
+    def load_pages(self, seq_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append whole pages of K, V ([L, n, KVH, P, D] each) to a sequence whose length is a
+        multiple of the page size: its next ``n * P`` tokens, written as a step writes them."""
+        n, P = k.shape[1], self.page_size
+        if self.length(seq_id) % P:
+            raise ValueError(f"load_pages: sequence {seq_id} ends inside a page ({self.length(seq_id)} tokens)")
+        step = self.begin_step([seq_id], n * P)
+        for layer in range(self.spec.num_layers):
+            # [n, KVH, P, D] -> [1, KVH, n * P, D]: the step's new tokens in order
+            self.write(step, layer, k[layer].permute(1, 0, 2, 3).reshape(1, k.shape[2], n * P, -1),
+                       v[layer].permute(1, 0, 2, 3).reshape(1, v.shape[2], n * P, -1))
+        self.end_step(step)
+
+    def write(self, step: Step, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the open step's new K/V of one layer ([B, KVH, T, D]) without attending."""
+        raise NotImplementedError(f"{type(self).__name__} cannot store without attending")
+
+    def check(self) -> None:
+        """Raise AssertionError when one of the cache's invariants does not hold."""
 
 
 class ContiguousKVCache(KVCache):
@@ -171,3 +319,9 @@ class ContiguousKVCache(KVCache):
             for per_layer in layers.values():
                 total += sum(t.numel() * t.element_size() for t in per_layer if t is not None)
         return total
+
+    def usage(self) -> KVUsage:
+        n = self.kv_bytes()
+        return KVUsage(sequences=len(self._len), device_pages=sum(self._len.values()), device_capacity=None,
+                       device_bytes=n, token_bytes=n, sequence_refs=sum(self._len.values()), indexed_pages=0,
+                       tier_bytes={"device": n})

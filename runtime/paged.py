@@ -1,31 +1,41 @@
-"""Paged KV cache: fixed-size pages, one page pool per layer, per-sequence page tables.
+"""Paged KV cache: fixed-size pages in one pool for all layers, per-sequence page tables,
+pages shared between sequences (prefix reuse) by reference count.
 
-Invariants (checked by the property tests):
-  * every page of a pool is either on its free list or in exactly one sequence's page
-    table for that layer — never both, never neither;
-  * a sequence of length L holds exactly ceil(L / page_size) pages in every layer;
-  * ``allocated_bytes == pages in use * page_bytes`` and pages in use + free == capacity;
+A page id names one page of P tokens in every layer (the pool is [L, C, KVH, P, D]), so a
+sequence lists one page table for all its layers, and a full page can be listed by several
+sequences and held by the prefix index: ``refs[p]`` counts them, and the page returns to the
+free list with its last reference.
+
+Invariants (checked by :meth:`PagedKVCache.check` and the property tests):
+  * every page of the pool is either on the free list or referenced — never both, never
+    neither; ``refs[p]`` equals the times p is listed over all sequences plus one while the
+    prefix index holds it; an indexed page is a full page;
+  * a sequence of length L lists ceil(L / page_size) pages, and those ``allocate_slots`` took
+    for its next step (listed by it alone); the page being written (a partial last page) is
+    listed by that sequence alone;
+  * ``kv_bytes == pages in use * page_bytes`` and pages in use + free == capacity;
   * attention reads K/V only through the page table, and for a single sequence the
     gathered K/V are bit-identical to a contiguous cache's, so outputs match exactly.
 
-"No room" is a return value at the pool (``PagePool.allocate`` returns ``None``); the
-cache turns it into :class:`KVCacheFullError` only when a step cannot proceed.
+"No room" is a return value (``PagePool.allocate`` returns ``None``, ``allocate_slots``
+``False``); the cache turns it into :class:`KVCacheFullError` only when a step cannot proceed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from tieredkv.errors import ConfigError, KVCacheFullError, short
-from tieredkv.models.cache import KVCache, KVSpec, Step, attention, causal_mask
+from tieredkv.models.cache import KVCache, KVSpec, KVUsage, Step, attention, causal_mask
 
 
 @dataclass(frozen=True)
 class PagedCacheConfig:
-    """``page_size`` tokens per page; ``max_pages`` per layer (None: grow on demand,
-    doubling); ``initial_pages`` per layer allocated up front."""
+    """``page_size`` tokens per page; ``max_pages`` the most pages the pool holds (every layer
+    has them; None: grow on demand, doubling); ``initial_pages`` allocated up front."""
 
     page_size: int = 16
     max_pages: int | None = None
@@ -47,21 +57,22 @@ def _integer_in(value, low: int, high: int) -> bool:
 
 
 class PagePool:
-    """K and V storage of one layer: [capacity, num_kv_heads, page_size, head_dim] each,
-    with a LIFO free list (a freed page is the next one handed out)."""
+    """K and V pages of every layer: [L, capacity, num_kv_heads, page_size, head_dim] each, with
+    a reference count per page and a LIFO free list (a freed page is the next one handed out)."""
 
     def __init__(self, spec: KVSpec, page_size: int, capacity: int, max_pages: int | None) -> None:
         if max_pages is not None:
             capacity = min(capacity, max_pages)
         self.spec, self.page_size, self.max_pages = spec, page_size, max_pages
-        shape = (capacity, spec.num_kv_heads, page_size, spec.head_dim)
+        shape = (spec.num_layers, capacity, spec.num_kv_heads, page_size, spec.head_dim)
         self.k = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
         self.v = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+        self.refs = [0] * capacity
         self._free: list[int] = list(range(capacity - 1, -1, -1))
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[0]
+        return self.k.shape[1]
 
     @property
     def num_free(self) -> int:
@@ -69,152 +80,279 @@ class PagePool:
 
     @property
     def page_bytes(self) -> int:
-        return 2 * self.k[0].numel() * self.k.element_size()
+        """Bytes of K plus V of one page in one layer."""
+        return 2 * self.k[0, 0].numel() * self.k.element_size()
 
     def free_pages(self) -> list[int]:
         return list(self._free)
 
-    def _grow(self) -> bool:
+    def _grow(self, needed: int) -> bool:
         old = self.capacity
-        new = old * 2 if self.max_pages is None else min(old * 2, self.max_pages)
-        if new <= old:
+        new = max(old * 2, needed)
+        if self.max_pages is not None:
+            new = min(new, self.max_pages)
+        if new < needed or new <= old:
             return False
-        pad = (new - old, *self.k.shape[1:])
-        self.k = torch.cat([self.k, torch.zeros(pad, dtype=self.k.dtype, device=self.k.device)])
-        self.v = torch.cat([self.v, torch.zeros(pad, dtype=self.v.dtype, device=self.v.device)])
+        pad = (self.k.shape[0], new - old, *self.k.shape[2:])
+        self.k = torch.cat([self.k, torch.zeros(pad, dtype=self.k.dtype, device=self.k.device)], dim=1)
+        self.v = torch.cat([self.v, torch.zeros(pad, dtype=self.v.dtype, device=self.v.device)], dim=1)
+        self.refs += [0] * (new - old)
         self._free = list(range(new - 1, old - 1, -1)) + self._free
         return True
 
-    def allocate(self) -> int | None:
-        """A free page id, or None when the pool is at ``max_pages`` and full."""
-        if not self._free and not self._grow():
+    def allocate(self, n: int = 1) -> list[int] | None:
+        """``n`` free pages (one reference each), or None — and nothing taken — when the pool is
+        at ``max_pages`` without that many free."""
+        if len(self._free) < n and not self._grow(self.capacity - len(self._free) + n):
             return None
-        return self._free.pop()
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self.refs[p] = 1
+        return pages
 
-    def free(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+    def ref(self, pages: Sequence[int]) -> None:
+        for p in pages:
+            self.refs[p] += 1
+
+    def unref(self, pages: Sequence[int]) -> None:
+        """Drop one reference of each page; a page without references is free again."""
+        for p in reversed(pages):
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self._free.append(p)
 
 
 class PagedKVCache(KVCache):
-    """See module docstring. Page tables are per (layer, sequence)."""
+    """See module docstring. One page table per sequence, shared by its layers."""
 
     def __init__(self, spec: KVSpec, config: PagedCacheConfig | None = None) -> None:
         self.spec = spec
         self.config = config or PagedCacheConfig()
         c = self.config
-        self.pools = [PagePool(spec, c.page_size, c.initial_pages, c.max_pages) for _ in range(spec.num_layers)]
-        self.tables: dict[int, list[list[int]]] = {}
-        self._len: dict[int, list[int]] = {}
+        self.pool = PagePool(spec, c.page_size, c.initial_pages, c.max_pages)
+        self.tables: dict[int, list[int]] = {}
+        self._len: dict[int, int] = {}
+        self._indexed: set[int] = set()  # pages the prefix index holds
         self._next_id = 0
+        self._step: _PagedStep | None = None
 
     @property
     def page_size(self) -> int:
         return self.config.page_size
 
     # ------------------------------------------------------------------ sequences
-    def add_sequence(self) -> int:
+    def add_sequence(self, *, shared: Sequence[int] = ()) -> int:
+        """A new sequence; ``shared``: full pages it starts with (prefix-index hits, in logical
+        order) — it then has ``len(shared) * page_size`` tokens."""
+        shared = list(shared)
+        if any(not 0 <= p < self.pool.capacity or self.pool.refs[p] < 1 for p in shared):
+            raise ValueError("shared pages must be live full pages")
         sid = self._next_id
         self._next_id += 1
-        self.tables[sid] = [[] for _ in range(self.spec.num_layers)]
-        self._len[sid] = [0] * self.spec.num_layers
+        self.pool.ref(shared)
+        self.tables[sid] = shared
+        self._len[sid] = len(shared) * self.page_size
         return sid
 
     def free_sequence(self, seq_id: int) -> None:
-        for layer, pages in enumerate(self.tables.pop(seq_id)):
-            self.pools[layer].free(pages)
+        self.pool.unref(self.tables.pop(seq_id))
         del self._len[seq_id]
 
     def length(self, seq_id: int) -> int:
-        return self._len[seq_id][-1]
+        return self._len[seq_id]
 
     def truncate(self, seq_id: int, length: int) -> None:
-        keep = -(-length // self.page_size)
-        for layer, table in enumerate(self.tables[seq_id]):
-            self.pools[layer].free(table[keep:])
-            del table[keep:]
-            self._len[seq_id][layer] = min(self._len[seq_id][layer], length)
+        P, table = self.page_size, self.tables[seq_id]
+        keep = -(-length // P)
+        self.pool.unref(table[keep:])
+        del table[keep:]
+        self._len[seq_id] = min(self._len[seq_id], length)
+        if table and self._len[seq_id] % P and self.pool.refs[table[-1]] > 1:  # copy on write
+            (copy,) = self._allocate(1, f"sequence {seq_id}'s private copy of a shared page")
+            self.pool.k[:, copy], self.pool.v[:, copy] = self.pool.k[:, table[-1]], self.pool.v[:, table[-1]]
+            self.pool.unref([table[-1]])
+            table[-1] = copy
 
     @property
     def sequences(self) -> list[int]:
         return list(self.tables)
 
+    def _allocate(self, n: int, what: str) -> list[int]:
+        pages = self.pool.allocate(n)
+        if pages is None:
+            raise KVCacheFullError(f"all {self.pool.capacity} pages are in use (max_pages {self.config.max_pages}); "
+                                   f"{what} needs {n} more page(s) of {self.page_size} tokens. Raise max_pages or free "
+                                   "sequences.")
+        return pages
+
     # ------------------------------------------------------------------ storage
+    def allocate_slots(self, seq_ids: Sequence[int], num_new: int) -> bool:
+        """The pages every sequence needs for ``num_new`` more tokens, all or nothing."""
+        need = {s: -(-(self._len[s] + num_new) // self.page_size) - len(self.tables[s]) for s in seq_ids}
+        total = sum(max(0, n) for n in need.values())
+        if total == 0:
+            return True
+        pages = self.pool.allocate(total)
+        if pages is None:
+            return False
+        for s, n in need.items():
+            if n > 0:
+                self.tables[s] += pages[:n]
+                pages = pages[n:]
+        return True
+
     def begin_step(self, seq_ids, num_new: int) -> Step:
-        """Reserve the pages every layer of every sequence needs for the step, all or
-        nothing: when a pool runs out, the pages taken so far are returned and the
-        cache is left as it was."""
+        """Reserve the pages every sequence needs for the step, all or nothing: when the pool runs
+        out, nothing is taken and the cache is left as it was."""
         step = super().begin_step(seq_ids, num_new)
-        taken: list[tuple[int, int, int]] = []  # (layer, seq, page)
-        for sid, past in zip(step.seq_ids, step.past):
-            need = -(-(past + num_new) // self.page_size)
-            for layer, pool in enumerate(self.pools):
-                table = self.tables[sid][layer]
-                while len(table) < need:
-                    page = pool.allocate()
-                    if page is None:
-                        for lyr, s, pg in reversed(taken):
-                            self.tables[s][lyr].pop()
-                            self.pools[lyr].free([pg])
-                        raise KVCacheFullError(
-                            f"layer {layer}: all {pool.capacity} pages are in use; sequence {sid} needs "
-                            f"{need - len(table)} more page(s) of {self.page_size} tokens. Raise max_pages "
-                            "or free sequences."
-                        )
-                    table.append(page)
-                    taken.append((layer, sid, page))
+        if not self.allocate_slots(step.seq_ids, num_new):
+            raise KVCacheFullError(
+                f"all {self.pool.capacity} pages are in use (max_pages {self.config.max_pages}); the step's "
+                f"{len(step.seq_ids)} sequence(s) need more pages of {self.page_size} tokens. Raise max_pages or free "
+                "sequences.")
+        self._step = _PagedStep.of(self, step)
         return step
 
-    def _write(self, layer: int, step: Step, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, step: Step, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Scatter the new tokens' K/V [B, KVH, T, D] into their page slots."""
-        pool, ps = self.pools[layer], self.page_size
-        pages, offs, rows, cols = [], [], [], []
-        for b, sid in enumerate(step.seq_ids):
-            start = self._len[sid][layer]
-            table = self.tables[sid][layer]
-            for t in range(step.num_new):
-                pos = start + t
-                pages.append(table[pos // ps])
-                offs.append(pos % ps)
-                rows.append(b)
-                cols.append(t)
-            self._len[sid][layer] = start + step.num_new
-        dev = pool.k.device
-        p, o = torch.tensor(pages, device=dev), torch.tensor(offs, device=dev)
-        r, c = torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)
-        # k[r, :, c] is [N, KVH, D]; pool.k[p, :, o] addresses the same shape.
-        pool.k[p, :, o] = k[r, :, c]
-        pool.v[p, :, o] = v[r, :, c]
+        s = self._step
+        pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
+        # k[b, :, t] for every (b, t) in order is [B * T, KVH, D]; pool[page, :, offset] addresses the same shape
+        pool_k[s.write_pages, :, s.write_offsets] = k.transpose(1, 2).reshape(-1, *k.shape[1:2], k.shape[-1])
+        pool_v[s.write_pages, :, s.write_offsets] = v.transpose(1, 2).reshape(-1, *v.shape[1:2], v.shape[-1])
 
-    def gather(self, layer: int, seq_ids: tuple[int, ...] | list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """K, V [B, KVH, S, D] of whole pages (S = max pages * page_size, zero padded) and
-        the lengths [B]. Reads only through the page tables."""
-        pool = self.pools[layer]
-        tables = [self.tables[s][layer] for s in seq_ids]
-        max_pages = max(len(t) for t in tables)
-        idx = torch.tensor([t + [t[-1]] * (max_pages - len(t)) for t in tables],  # pad with a real page id
-                           device=pool.k.device)
-        b = len(tables)
-        k = pool.k[idx].permute(0, 2, 1, 3, 4).reshape(b, self.spec.num_kv_heads, max_pages * self.page_size, -1)
-        v = pool.v[idx].permute(0, 2, 1, 3, 4).reshape(b, self.spec.num_kv_heads, max_pages * self.page_size, -1)
-        lengths = torch.tensor([self._len[s][layer] for s in seq_ids])  # host: read by Python
-        return k, v, lengths
+    def gather(self, layer: int, seq_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K, V [B, KVH, S, D] of whole pages (S = max pages * page_size, zero padded) and the
+        lengths [B]. Reads only through the page tables."""
+        tables = [self.tables[s] for s in seq_ids]
+        width = max(len(t) for t in tables)
+        idx = torch.tensor([t + t[-1:] * (width - len(t)) for t in tables], device=self.pool.k.device)
+        k, v = _gather(self.pool.k[layer], idx), _gather(self.pool.v[layer], idx)
+        return k, v, torch.tensor([self._len[s] for s in seq_ids])
 
     def attend(self, step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self._write(layer, step, k, v)
-        keys, values, lengths = self.gather(layer, step.seq_ids)
-        max_len = int(lengths.max())
-        keys, values = keys[:, :, :max_len], values[:, :, :max_len]
-        mask = causal_mask(torch.tensor(step.past, device=q.device), step.num_new, max_len)
-        return attention(q, keys, values, mask)
+        self.write(step, layer, k, v)
+        s = self._step
+        keys, values = _gather(self.pool.k[layer], s.read_pages), _gather(self.pool.v[layer], s.read_pages)
+        keys, values = keys[:, :, : s.max_len], values[:, :, : s.max_len]
+        return attention(q, keys, values, s.mask)
+
+    def end_step(self, step: Step) -> None:
+        for sid in step.seq_ids:
+            self._len[sid] += step.num_new
+        self._step = None
 
     # ------------------------------------------------------------------ accounting
-    def pages_in_use(self, layer: int | None = None) -> int:
-        layers = range(self.spec.num_layers) if layer is None else [layer]
-        return sum(self.pools[i].capacity - self.pools[i].num_free for i in layers)
+    def pages_in_use(self) -> int:
+        return self.pool.capacity - self.pool.num_free
 
     def kv_bytes(self) -> int:
-        """Bytes of the pages held by sequences (what the cache needs, not what it reserved)."""
-        return self.pages_in_use() * self.pools[0].page_bytes
+        """Bytes of the pages held by sequences and the prefix index (what the cache needs, not what
+        it reserved)."""
+        return self.pages_in_use() * self.pool.page_bytes * self.spec.num_layers
 
     def reserved_bytes(self) -> int:
-        return sum(p.capacity for p in self.pools) * self.pools[0].page_bytes
+        return self.pool.capacity * self.pool.page_bytes * self.spec.num_layers
+
+    def check(self) -> None:
+        pool, P = self.pool, self.page_size
+        listed = [0] * pool.capacity
+        for sid, table in self.tables.items():
+            n = -(-self._len[sid] // P)
+            assert len(table) >= n, f"sequence {sid}: fewer pages than its length needs"
+            assert all(pool.refs[p] == 1 for p in table[n:]), f"sequence {sid}: a page allocated ahead is shared"
+            for p in table:
+                listed[p] += 1
+            if n and self._len[sid] % P:
+                assert pool.refs[table[n - 1]] == 1, f"sequence {sid}: the page being written is shared"
+        for p in self._indexed:
+            listed[p] += 1
+        assert listed == pool.refs, "reference counts disagree with the page tables and the prefix index"
+        free = pool.free_pages()
+        assert len(set(free)) == len(free), "a page is on the free list twice"
+        assert sorted(free) == [p for p in range(pool.capacity) if pool.refs[p] == 0], "the free list is not the " \
+                                                                                       "unreferenced pages"
+        assert pool.max_pages is None or pool.capacity <= pool.max_pages, "the pool grew past max_pages"
+
+    # ------------------------------------------------------------------ the serving interface
+    @property
+    def device_capacity(self) -> int | None:
+        return self.config.max_pages
+
+    @property
+    def shares_pages(self) -> bool:
+        return True
+
+    def usage(self) -> KVUsage:
+        P, per_page = self.page_size, self.pool.page_bytes * self.spec.num_layers
+        full = set(self._indexed)  # shared pages are full pages: count each once
+        partial = 0
+        for sid, table in self.tables.items():
+            n = self._len[sid] // P
+            full.update(table[:n])
+            partial += self._len[sid] - n * P
+        used = self.pages_in_use()
+        return KVUsage(sequences=len(self.tables), device_pages=used, device_capacity=self.config.max_pages,
+                       device_bytes=used * per_page, token_bytes=(len(full) * P + partial) * per_page // P,
+                       sequence_refs=sum(len(t) for t in self.tables.values()), indexed_pages=len(self._indexed),
+                       tier_bytes={"device": used * per_page})
+
+    def pages_of(self, seq_id: int) -> list[int]:
+        return list(self.tables[seq_id])
+
+    def hold_pages(self, pages: Sequence[int]) -> None:
+        pages = list(pages)
+        if any(p in self._indexed or self.pool.refs[p] < 1 for p in pages):
+            raise ValueError("the prefix index holds live pages, once each")
+        self._indexed.update(pages)
+        self.pool.ref(pages)
+
+    def drop_pages(self, pages: Sequence[int]) -> None:
+        pages = list(pages)
+        if any(p not in self._indexed for p in pages):
+            raise ValueError("the prefix index lets go only of pages it holds")
+        self._indexed.difference_update(pages)
+        self.pool.unref(pages)
+
+    def page_refs(self, pages: Sequence[int]) -> list[int]:
+        return [self.pool.refs[p] for p in pages]
+
+    def pages_indexed(self, pages: Sequence[int]) -> list[bool]:
+        return [p in self._indexed for p in pages]
+
+    def page_tiers(self, pages: Sequence[int]) -> list[str]:
+        return ["device"] * len(pages)
+
+    def read_pages(self, pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.tensor(list(pages), dtype=torch.long, device=self.pool.k.device)
+        return self.pool.k.index_select(1, idx).cpu(), self.pool.v.index_select(1, idx).cpu()
+
+
+@dataclass(frozen=True)
+class _PagedStep:
+    """What every layer of a step reads, built once: where the new tokens go, each sequence's
+    pages to gather (padded with a real page), the causal mask."""
+
+    write_pages: torch.Tensor  # [B * T]
+    write_offsets: torch.Tensor  # [B * T]
+    read_pages: torch.Tensor  # [B, max pages]
+    max_len: int
+    mask: torch.Tensor  # [B, 1, T, max_len]
+
+    @classmethod
+    def of(cls, cache: PagedKVCache, step: Step) -> "_PagedStep":
+        P, dev = cache.page_size, cache.pool.k.device
+        tables = [cache.tables[s] for s in step.seq_ids]
+        pos = torch.tensor(step.past).unsqueeze(1) + torch.arange(step.num_new)  # [B, T]
+        width = max(len(t) for t in tables)
+        pages = torch.tensor([t + t[-1:] * (width - len(t)) for t in tables])
+        max_len = max(step.past) + step.num_new
+        return cls(pages.gather(1, pos // P).flatten().to(dev), (pos % P).flatten().to(dev), pages.to(dev), max_len,
+                   causal_mask(torch.tensor(step.past, device=dev), step.num_new, max_len))
+
+
+def _gather(pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """Pages [B, M] of one layer's pool [C, KVH, P, D] as [B, KVH, M * P, D]."""
+    b, m = pages.shape
+    got = pool.index_select(0, pages.flatten()).view(b, m, *pool.shape[1:])
+    return got.permute(0, 2, 1, 3, 4).reshape(b, pool.shape[1], m * pool.shape[2], pool.shape[3])

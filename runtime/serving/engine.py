@@ -37,7 +37,7 @@ ON_ERROR = ("fail", "raise")
 class Engine:
     """``cache``: the engine's KV cache (a paged cache with ``max_pages`` set, or a tiered
     cache with byte budgets, bounds the KV memory); ``prefix``: a PrefixConfig turns on
-    prefix reuse (tiered cache only); ``model_id``: the prefix keys' model key;
+    prefix reuse (the paged or the tiered cache); ``model_id``: the prefix keys' model key;
     ``on_error``: ``fail`` ends a request whose step raised with finish reason ``error``
     (the others go on), ``raise`` lets the exception out (a batch job's choice)."""
 
@@ -55,9 +55,9 @@ class Engine:
         self.eos_ids = frozenset(mc.eos_token_ids) | frozenset(tokenizer.eos_token_ids if tokenizer else ())
         self.prefix = None
         if prefix is not None:
-            if not hasattr(cache, "hold_pages"):
-                raise ConfigError("prefix reuse needs the tiered KV cache (its page table shares pages between "
-                                  "sequences); the paged cache has no shared pages")
+            if not cache.shares_pages:
+                raise ConfigError(f"prefix reuse needs a cache whose sequences share pages (the paged or the tiered "
+                                  f"cache); {type(cache).__name__} has none")
             self.prefix = PrefixIndex(cache, prefix, model_id=model_id or mc.name)
         self.remote = None
         if remote is not None:
@@ -142,7 +142,7 @@ class Engine:
             written = self.remote.load_into(req.seq_id, pages)
         except (TieredKVError, RuntimeError, ValueError):  # start over from the local hits: compute the rest
             self.remote.count_error()
-            shared = self.cache.records_of(req.seq_id)[:local]
+            shared = self.cache.pages_of(req.seq_id)[:local]
             self.cache.free_sequence(req.seq_id)
             req.seq_id = self.cache.add_sequence(shared=shared) if shared else self.cache.add_sequence()
             return
@@ -217,6 +217,7 @@ class Engine:
             try:
                 while n > 0:  # the cache may take fewer tokens per forward call than the chunk
                     k = n if limit is None else min(n, limit)
+                    self._slots([req.seq_id], k)
                     lo = req.computed
                     tokens = torch.tensor(req.tokens[lo: lo + k]).unsqueeze(0)
                     logits = self.model(tokens, torch.arange(lo, lo + k).unsqueeze(0), self.cache, [req.seq_id],
@@ -235,6 +236,7 @@ class Engine:
         if step.decodes:
             batch = step.decodes
             try:
+                self._slots([r.seq_id for r in batch], 1)
                 logits = decode_one_token(self.model, self.cache, [r.seq_id for r in batch],
                                           torch.tensor([r.tokens[-1] for r in batch]),
                                           torch.tensor([r.computed for r in batch]))
@@ -255,20 +257,22 @@ class Engine:
         self._sample(step.num_tokens)
         return events
 
+    def _slots(self, seq_ids: list[int], num_new: int) -> None:
+        """Slots for the next forward call: where the cache has no room, the prefix index's pages
+        that no sequence lists give way, least recently used first (the forward call raises the
+        cache's typed error when even that is not enough)."""
+        while not self.cache.allocate_slots(seq_ids, num_new):
+            if self.prefix is None or not self.prefix.evict(max(1, len(seq_ids))):
+                return
+
     def _sample(self, tokens: int) -> None:
-        s, now = self.scheduler, self.clock()
-        used = sum(r.computed for r in s.running) * self._kv_token_bytes
-        tiers: dict[str, int] = {}
-        if s.tiered:
-            allocated = self.cache.kv_bytes()
-            used = self.cache.resident_token_bytes()
-            tiers = self.cache.mgr.tier_bytes()
-        else:
-            pages = s._device_need({}) if s.capacity is not None else sum(
-                -(-r.computed // self.page_size) for r in s.running)
-            allocated = pages * self.page_size * self._kv_token_bytes
-        self.metrics.step(StepSample(now, len(s.running), len(s.waiting), len(s.paused), tokens, allocated, used,
-                                     tiers))
+        s, now, usage = self.scheduler, self.clock(), self.cache.usage()
+        # allocated: what the device holds, or what the scheduler counts for the running requests where it
+        # reserves more (max-length preallocation); used: the bytes holding tokens
+        counted = (s.device_need() if s.capacity is not None else 0) * self.page_size * self._kv_token_bytes
+        self.metrics.step(StepSample(now, len(s.running), len(s.waiting), len(s.paused), tokens,
+                                     max(usage.device_bytes, counted), usage.token_bytes,
+                                     usage.tier_bytes if self.cache.demotes else {}))
 
     def run(self, *, progress=None) -> None:
         """Step until every request is finished; ``progress``: a tqdm-like bar advanced per

@@ -54,19 +54,19 @@ def metric_families(engine) -> list[Family]:
             samples=[({"quantile": label}, float(q[p])) for p, label in (("p50", "0.5"), ("p90", "0.9"),
                                                                            ("p99", "0.99")) if q.get(p) is not None])
     cache = engine.cache
-    add("kv_bytes_allocated", "gauge", "device KV bytes held", cache.kv_bytes())
-    if s.tiered:
-        t = cache.metrics
+    usage, counts = cache.usage(), cache.counters()
+    add("kv_bytes_allocated", "gauge", "device KV bytes held", usage.device_bytes)
+    if counts:
         add("kv_tier_bytes", "gauge", "KV bytes per tier (T0 hot window .. T4 disk)",
-            samples=[({"tier": k}, float(v)) for k, v in cache.mgr.tier_bytes().items()])
-        add("kv_page_hits_total", "counter", "attended pages found resident on the device", t.hits)
-        add("kv_page_misses_total", "counter", "attended pages fetched from a lower tier", t.misses)
-        add("kv_page_masked_total", "counter", "needed pages skipped (masked mode)", t.masked)
+            samples=[({"tier": k}, float(v)) for k, v in usage.tier_bytes.items()])
+        add("kv_page_hits_total", "counter", "attended pages found resident on the device", counts["hits"])
+        add("kv_page_misses_total", "counter", "attended pages fetched from a lower tier", counts["misses"])
+        add("kv_page_masked_total", "counter", "needed pages skipped (masked mode)", counts["masked"])
         add("kv_bytes_moved_total", "counter", "bytes moved between tiers, by direction",
-            samples=[({"direction": d}, float(getattr(t, f"bytes_{d}"))) for d in
+            samples=[({"direction": d}, float(counts[f"bytes_{d}"])) for d in
                      ("h2d", "d2h", "disk_read", "disk_write")])
         add("kv_page_moves_total", "counter", "pages moved between tiers, by kind",
-            samples=[({"kind": k}, float(getattr(t, k))) for k in
+            samples=[({"kind": k}, float(counts[k])) for k in
                      ("promotions", "demotions", "fetched_pages", "evicted_pages", "spilled_pages",
                       "compressed_pages")])
     if engine.prefix is not None:

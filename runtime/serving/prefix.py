@@ -118,7 +118,7 @@ class PrefixIndex:
 
     def __init__(self, cache, config: PrefixConfig | None = None, *, model_id: str = "model") -> None:
         self.cache, self.config, self.model_id = cache, config or PrefixConfig(), model_id
-        self.page_size = cache.config.page_size
+        self.page_size = cache.page_size
         self._record: dict[bytes, int] = {}
         self._key: dict[int, bytes] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # every indexed record, least recently used first
@@ -158,7 +158,7 @@ class PrefixIndex:
         yet; a key already indexed under another record keeps that record. Returns the pages
         newly indexed."""
         keys = chain.extend(tokens)[: len(tokens) // self.page_size]  # the chain may run ahead (match)
-        records = self.cache.records_of(seq_id)[: len(keys)]
+        records = self.cache.pages_of(seq_id)[: len(keys)]
         new = []
         for key, rec in zip(keys, records):
             known = self._record.get(key)
@@ -222,9 +222,5 @@ class PrefixIndex:
         recs = list(self._lru)
         if recs:
             assert all(n >= 1 for n in self.cache.page_refs(recs)), "an indexed record is free"
-            table = self.cache.mgr.table
-            import torch
-
-            idx = torch.tensor(recs, dtype=torch.long)
-            assert bool(table.cached[idx].all()), "an indexed record is not held by the index"
-            assert int(table.cached.sum()) == len(recs), "the page table holds records the index does not list"
+            assert all(self.cache.pages_indexed(recs)), "an indexed record is not held by the index"
+        assert self.cache.usage().indexed_pages == len(recs), "the cache holds pages for the index it does not list"

@@ -16,7 +16,8 @@ Each step (``Scheduler.schedule``):
      and output so far, from the prefix index where reuse is on).
 
 The KV budget is counted in pages per layer of the device (every layer holds the same
-records). What a running request needs on the device:
+pages), with the cache's own arithmetic (``KVCache.device_pages`` and its kin — the scheduler
+sees the cache through the serving interface only). What a running request needs on the device:
   * paged cache: every page of its tokens;
   * tiered cache: its hot window only (T0: sink pages, recent window, the page being
     written) — the rest of its pages may live on the host and disk. A prefill chunk also
@@ -38,9 +39,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tieredkv.errors import ConfigError, ContextLengthError, KVCacheFullError, short
-from tieredkv.runtime.paged import PagedKVCache
 from tieredkv.runtime.serving.request import Request, RequestStatus
-from tieredkv.runtime.tiered.page_table import hot_page_count
 
 ADMISSION = ("contiguous", "reserve", "optimistic")
 PREEMPTION = ("auto", "demote", "recompute")
@@ -107,37 +106,25 @@ class Scheduler:
         self.cache, self.config, self.prefix = cache, config, prefix
         self._open, self._close = open_sequence, close_sequence
         self.max_len = min(context, config.max_model_len or context)
-        self.tiered = not isinstance(cache, PagedKVCache) and hasattr(cache, "pause")
-        paged = isinstance(cache, PagedKVCache)
-        # a cache without pages (the contiguous oracle) is counted in tokens, without a budget
-        self.page_size = cache.config.page_size if self.tiered else cache.page_size if paged else 1
+        self.demotes = cache.demotes
+        self.page_size = cache.page_size  # 1: a cache without pages (the contiguous oracle) is counted in tokens
         self.preemption = config.preemption
         if self.preemption == "auto":
-            self.preemption = "demote" if self.tiered else "recompute"
-        if self.preemption == "demote" and not self.tiered:
+            self.preemption = "demote" if self.demotes else "recompute"
+        if self.preemption == "demote" and not self.demotes:
             raise ConfigError("preemption 'demote' needs the tiered cache (pages have somewhere to go); use "
                               "preemption = 'recompute' with the paged cache")
-        if config.admission == "contiguous" and self.tiered:
+        if config.admission == "contiguous" and self.demotes:
             raise ConfigError("admission 'contiguous' models max-length preallocation on the paged cache; "
                               "use 'reserve' or 'optimistic' with the tiered cache")
-        if self.tiered:
-            w = cache.config.window
-            self._sink, self._recent = w.sink_tokens, w.recent_tokens
-            self.capacity = cache.mgr.resident_cap
-            self.host_capacity = None if cache.mgr.disk is not None else cache.budgets.host_pages
-        else:
-            self.capacity = cache.config.max_pages if paged else None
-            self.host_capacity = None
+        self.capacity = cache.device_capacity
+        self.host_capacity = cache.host_capacity
         self.waiting: deque[Request] = deque()  # new and recompute-preempted requests, oldest first
         self.paused: deque[Request] = deque()  # demotion-preempted, in preemption order
         self.running: list[Request] = []  # in admission order
         self._admissions = 0
 
     # ------------------------------------------------------------------ what a request needs
-    def _hot(self, tokens: int) -> int:
-        """T0 pages of a tiered sequence of ``tokens`` tokens (the page table's rule)."""
-        return hot_page_count(tokens, self.page_size, self._sink, self._recent)
-
     def _final(self, req: Request) -> int:
         """The tokens a request can reach."""
         return min(self.max_len, len(req.prompt) + req.params.max_new_tokens)
@@ -148,22 +135,19 @@ class Scheduler:
         if a == "contiguous":
             return _pages(self.max_len, P)
         if a == "reserve":
-            return self.cache.config.t0_pages if self.tiered else _pages(self._final(req), P)
+            return self.cache.reserve_pages(self._final(req))
         return 0
 
     def _need(self, req: Request, new: int) -> int:
         """Device pages ``req`` holds after feeding ``new`` more tokens (while it writes them)."""
         now, after = req.computed, req.computed + new
-        if self.tiered:
-            grown = self._hot(now) + _pages(after, self.page_size) - _pages(now, self.page_size)
-            held = max(self._hot(after), grown)
-            if req.to_feed > 1:  # prefilling: what it was admitted with stays counted
-                held = max(held, self._soon(req))
-        else:
-            held = _pages(after, self.page_size)
-        return max(held, self._reserved(req))
+        prompt = len(req.tokens) if req.to_feed > 1 else None  # prefilling: what it was admitted with
+        return max(self.cache.device_pages(now, after, prompt=prompt), self._reserved(req))
 
-    def _device_need(self, plan: dict[Request, int], extra: Request | None = None, extra_new: int = 0) -> int:
+    def device_need(self, plan: dict[Request, int] | None = None, extra: Request | None = None,
+                    extra_new: int = 0) -> int:
+        """Device pages the running requests (and ``extra``) need after feeding ``plan``'s tokens."""
+        plan = plan or {}
         total = sum(self._need(r, plan.get(r, 0)) for r in self.running)
         if extra is not None:
             total += self._need(extra, extra_new)
@@ -200,9 +184,9 @@ class Scheduler:
         P = self.page_size
         if self.capacity is not None:
             final = self._final(req)
-            alone = max(self._reserved(req), self._hot(final) if self.tiered else _pages(final, P))
+            alone = max(self._reserved(req), self.cache.device_pages(final, final))
             if alone > self.capacity:
-                what = "its hot window" if self.tiered else f"its {final} tokens"
+                what = "its hot window" if self.demotes else f"its {final} tokens"
                 raise KVCacheFullError(
                     f"request {req.request_id}: needs {alone} device pages per layer ({what}); the KV budget holds "
                     f"{self.capacity}. Raise the budget, or lower max_new_tokens or the prompt")
@@ -228,7 +212,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def _fits(self, plan: dict[Request, int], extra: Request | None = None, extra_new: int = 0) -> bool:
-        return self.capacity is None or self._device_need(plan, extra, extra_new) <= self.capacity
+        return self.capacity is None or self.device_need(plan, extra, extra_new) <= self.capacity
 
     def _admissible(self, req: Request) -> bool:
         """Whether a waiting request fits next to the running ones: its reservation, or (optimistic)
@@ -236,14 +220,12 @@ class Scheduler:
         its prompt is in (tiered)."""
         if self.capacity is None:
             return True
-        return self._device_need({}) + max(self._soon(req), self._reserved(req)) <= self.capacity
+        return self.device_need({}) + max(self._soon(req), self._reserved(req)) <= self.capacity
 
     def _soon(self, req: Request) -> int:
         """Device pages a request needs to make progress once admitted: its hot window once its
         prompt is in and a page to write into (tiered); its first prefill chunk (paged)."""
-        if self.tiered:
-            return self._hot(len(req.tokens) + 1) + 1
-        return _pages(min(len(req.tokens), self.config.prefill_chunk), self.page_size)
+        return self.cache.admission_pages(len(req.tokens), min(len(req.tokens), self.config.prefill_chunk))
 
     def _admit(self) -> None:
         while self.paused and len(self.running) < self.config.max_num_seqs:

@@ -32,13 +32,14 @@ import time
 import torch
 
 from tieredkv.errors import ConfigError
-from tieredkv.models.cache import KVCache, KVSpec, Step
+from tieredkv.models.cache import KVCache, KVSpec, KVUsage, Step
 from tieredkv.plugins.codec import CODECS, page_bytes as codec_page_bytes
 from tieredkv.runtime.tiered.budgets import resolve_budgets
 from tieredkv.runtime.tiered.config import KV_DTYPES, TieredKVConfig
 from tieredkv.runtime.tiered.layer_step import LayerStep
 from tieredkv.runtime.tiered.manager import TierManager
 from tieredkv.runtime.tiered.metrics import TierMetrics
+from tieredkv.runtime.tiered.page_table import hot_page_count, hot_pages
 from tieredkv.runtime.tiered.policies import make_policy
 from tieredkv.runtime.tiered.prefetch import make_prefetcher
 from tieredkv.runtime.tiered.scorer import ImportanceScorer
@@ -119,30 +120,121 @@ class TieredKVCache(KVCache):
         self.mgr.add_sequence(sid, shared=shared)
         return sid
 
-    # ------------------------------------------------------------------ serving: prefix pages, preemption
-    def records_of(self, seq_id: int) -> list[int]:
+    # ------------------------------------------------------------------ the serving interface
+    @property
+    def page_size(self) -> int:
+        return self.config.page_size
+
+    @property
+    def device_capacity(self) -> int | None:
+        """Full-precision pages per layer the device may own (T0 + T1 + T2)."""
+        return self.mgr.resident_cap
+
+    @property
+    def host_capacity(self) -> int | None:
+        return None if self.mgr.disk is not None else self.budgets.host_pages
+
+    @property
+    def demotes(self) -> bool:
+        return True
+
+    @property
+    def shares_pages(self) -> bool:
+        return True
+
+    def _hot(self, tokens: int) -> int:
+        w = self.config.window
+        return hot_page_count(tokens, self.page_size, w.sink_tokens, w.recent_tokens)
+
+    def device_pages(self, tokens_now: int, tokens_after: int, *, prompt: int | None = None) -> int:
+        """A running sequence holds its hot window (T0) on the device, and the new pages it
+        writes while it writes them; while it prefills its prompt, what it was admitted with."""
+        P = self.page_size
+        grown = self._hot(tokens_now) + -(-tokens_after // P) - -(-tokens_now // P)
+        held = max(self._hot(tokens_after), grown)
+        return held if prompt is None else max(held, self.admission_pages(prompt, 0))
+
+    def admission_pages(self, prompt: int, first_chunk: int) -> int:
+        """Its hot window once its prompt is in, and a page to write into."""
+        return self._hot(prompt + 1) + 1
+
+    def reserve_pages(self, tokens: int) -> int:
+        """A full hot window: the rest of a sequence may live off the device."""
+        return self.config.t0_pages
+
+    def allocate_slots(self, seq_ids, num_new: int) -> bool:
+        """Whether the device can hold the hot windows (T0) of every running sequence once the
+        step's sequences have ``num_new`` more tokens: the pages ``begin_step`` makes resident,
+        evicting others by policy (nothing is taken here: eviction moves no page a step needs)."""
+        cap = self.mgr.resident_cap
+        if cap is None:
+            return True
+        t, P, w = self.mgr.table, self.page_size, self.config.window
+        step, pinned, new = set(seq_ids), set(), 0
+        for seq, pages in t.seq_pages.items():
+            if seq in t.paused:
+                continue
+            n = t.seq_len[seq] + (num_new if seq in step else 0)
+            hot = hot_pages(n, P, w.sink_tokens, w.recent_tokens).tolist()
+            pinned.update(p for p, h in zip(pages, hot) if h)
+            new += sum(hot[len(pages):])  # pages the step creates
+        return len(pinned) + new <= cap
+
+    def usage(self) -> KVUsage:
+        t, m = self.mgr.table, self.mgr
+        alive = int(t.alive.sum())
+        return KVUsage(sequences=len(t.seq_len), device_pages=int(m.device.used().max()) if alive else 0,
+                       device_capacity=m.resident_cap, device_bytes=self.kv_bytes(),
+                       token_bytes=self.resident_token_bytes(), sequence_refs=int(t.refs.sum()) - int(t.cached.sum()),
+                       indexed_pages=int(t.cached.sum()), tier_bytes=m.tier_bytes())
+
+    def counters(self) -> dict[str, int]:
+        m = self.metrics
+        names = ("hits", "misses", "masked", "bytes_h2d", "bytes_d2h", "bytes_disk_read", "bytes_disk_write",
+                 "promotions", "demotions", "fetched_pages", "evicted_pages", "spilled_pages", "compressed_pages")
+        return {name: int(getattr(m, name)) for name in names}
+
+    def pages_of(self, seq_id: int) -> list[int]:
         """The records (pages) of a sequence, in logical order."""
         return self.mgr.records_of(seq_id).tolist()
 
-    def hold_pages(self, records: list[int]) -> None:
+    def hold_pages(self, records) -> None:
         """The prefix index keeps these full pages past their sequences (one reference each)."""
-        self.mgr.hold(torch.tensor(records, dtype=torch.long))
+        self.mgr.hold(torch.tensor(list(records), dtype=torch.long))
 
-    def drop_pages(self, records: list[int]) -> None:
+    def drop_pages(self, records) -> None:
         """The prefix index lets these pages go; the ones no sequence lists are freed."""
-        self.mgr.let_go(torch.tensor(records, dtype=torch.long))
+        self.mgr.let_go(torch.tensor(list(records), dtype=torch.long))
 
-    def page_refs(self, records: list[int]) -> list[int]:
-        return self.mgr.table.refs[torch.tensor(records, dtype=torch.long)].tolist()
+    def page_refs(self, records) -> list[int]:
+        return self.mgr.table.refs[torch.tensor(list(records), dtype=torch.long)].tolist()
 
-    def page_tiers(self, records: list[int]) -> list[str]:
+    def pages_indexed(self, records) -> list[bool]:
+        return self.mgr.table.cached[torch.tensor(list(records), dtype=torch.long)].tolist()
+
+    def page_tiers(self, records) -> list[str]:
         """Where each page is (the tier holding most of its layers): ``device`` (full precision or
         warm), ``host`` or ``disk``."""
-        t, recs = self.mgr.table, torch.tensor(records, dtype=torch.long)
+        t, recs = self.mgr.table, torch.tensor(list(records), dtype=torch.long)
         dev = self.mgr.resident(slice(None), recs)
         host = ~dev & (t.host_slot[:, recs] >= 0)
         counts = torch.stack([dev.sum(0), host.sum(0), (~dev & ~host).sum(0)])
         return [("device", "host", "disk")[i] for i in counts.argmax(0).tolist()]
+
+    def read_pages(self, records) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact K, V of full pages in every layer, [L, n, KVH, P, D], in host memory — from
+        whichever tier holds each (a warm page from its exact copy)."""
+        recs, L = torch.tensor(list(records), dtype=torch.long), self.mgr.L
+        layers = torch.arange(L).repeat_interleave(len(recs))
+        k, v = self.mgr.read_pages(layers, recs.repeat(L), self.spec.dtype, exact=True)
+        k, v = self.mgr.transfers.to_host(k, v, pages=len(recs) * L)  # one copy down when the device tier is a GPU
+        return k.view(L, len(recs), *k.shape[1:]), v.view(L, len(recs), *v.shape[1:])
+
+    def write(self, step: Step, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.store(layer, k, v)
+
+    def check(self) -> None:
+        self.mgr.check_invariants()
 
     def pause(self, seq_id: int) -> None:
         """Preempt by demotion: the sequence's pages leave the device, nothing is lost."""
@@ -255,7 +347,8 @@ class TieredKVCache(KVCache):
     def end_step(self, step: Step) -> None:
         """Close the step: what every layer did to the manager (once), the access log, then the
         manager's statistics, migration and admissions."""
-        self.mgr.record_step(self.plan, self.layers.record())
+        if self.layers.ran:  # (a step that only stored pages, e.g. loaded from the remote tier, records nothing)
+            self.mgr.record_step(self.plan, self.layers.record())
         decode = step.num_new == 1
         if self.recorder is not None:
             for sid in step.seq_ids:

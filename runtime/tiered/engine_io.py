@@ -239,6 +239,7 @@ def finish_step(cache, step, feeds: StepFeeds, outputs: StepOutputs) -> None:
     for layer in range(L):
         cache.store(layer, outputs.k_new[layer], outputs.v_new[layer])
     rec, valid = cache.layers.rec, plan.valid.unsqueeze(0)
+    cache.layers.ran = True
     if outputs.page_selected is not None:
         selected = outputs.page_selected.to(torch.bool) & valid
         rec.relevance = outputs.page_relevance.float().to(rec.relevance.device)

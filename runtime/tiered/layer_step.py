@@ -112,6 +112,7 @@ class LayerStep:
         self.exact_choice = (mgr.exact_read_choice(slice(None), plan.recs, n_exact, plan.valid).to(dev)
                              if n_exact else None)
         self._allowed_all = None  # the keys every query may see when a layer attends every page
+        self.ran = False  # a layer attended (or an engine's graph ran): the step has something to record
         self.moves_inside = cache._speculate  # a layer-ahead prefetch may move pages during the step
         self.rec = StepRecord.empty(L, plan)
         for name in ("selected", "attended", "relevance", "mass"):
@@ -131,6 +132,7 @@ class LayerStep:
         """Score, select, gather and attend one layer for every sequence: q [B, H, T, D] ->
         out [B, H, T, D]; what it did goes to the step's record."""
         mgr, m = self.mgr, self.mgr.metrics
+        self.ran = True
         t_score = time.perf_counter()
         heads = relevance = None
         if self.scores(layer):

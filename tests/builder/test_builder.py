@@ -170,22 +170,22 @@ def _page_feeds(cache: PagedKVCache, seq_ids: list[int], lengths: list[int]) -> 
     """Plain-graph inputs for sequences holding ``lengths`` tokens (the new one included) in
     ``cache``, each layer's own page table, every page in the pool."""
     L = cache.spec.num_layers
-    m = max(len(cache.tables[s][0]) for s in seq_ids)
+    m = max(len(cache.tables[s]) for s in seq_ids)
     table = np.zeros((L, len(seq_ids), m), np.int64)
     for layer in range(L):
         for b, s in enumerate(seq_ids):
-            t = cache.tables[s][layer]
+            t = cache.tables[s]
             table[layer, b, : len(t)] = t
     index = np.array([[j if j * PAGE < n else PAD_INDEX for j in range(m)] for n in lengths], np.int64)
     seq_len = np.array(lengths, np.int64)
     pos = seq_len - 1
-    write = np.array([[[cache.tables[s][layer][p // PAGE]] for s, p in zip(seq_ids, pos)] for layer in range(L)])
+    write = np.array([[[cache.tables[s][p // PAGE]] for s, p in zip(seq_ids, pos)] for layer in range(L)])
     feeds = {"page_table": table, "page_mask": np.broadcast_to(index < PAD_INDEX, table.shape).copy(),
              "page_index": index, "seq_len": seq_len, "positions": pos[:, None], "write_slot": write.astype(np.int64),
              "write_offset": (pos % PAGE)[:, None]}
-    for layer, pool in enumerate(cache.pools):
-        feeds[f"k_pool_{layer}"] = pool.k.numpy().copy()
-        feeds[f"v_pool_{layer}"] = pool.v.numpy().copy()
+    for layer in range(L):
+        feeds[f"k_pool_{layer}"] = cache.pool.k[layer].numpy().copy()
+        feeds[f"v_pool_{layer}"] = cache.pool.v[layer].numpy().copy()
     return feeds
 
 

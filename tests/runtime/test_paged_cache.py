@@ -12,16 +12,17 @@ from tieredkv.runtime.paged import PagedCacheConfig, PagedKVCache
 
 
 def check_invariants(cache: PagedKVCache) -> None:
-    ps = cache.page_size
-    for layer, pool in enumerate(cache.pools):
-        held = [p for sid in cache.tables for p in cache.tables[sid][layer]]
-        free = pool.free_pages()
-        assert len(held) == len(set(held)), "page held twice"
-        assert not set(held) & set(free), "page both held and free"
-        assert sorted(held + free) == list(range(pool.capacity)), "page lost"
-        for sid in cache.tables:
-            assert len(cache.tables[sid][layer]) == -(-cache._len[sid][layer] // ps)
-    assert cache.kv_bytes() == cache.pages_in_use() * cache.pools[0].page_bytes
+    """The cache's own check, and the same invariants written out plainly for unshared pages."""
+    cache.check()
+    ps, pool = cache.page_size, cache.pool
+    held = [p for sid in cache.tables for p in cache.tables[sid]]
+    free = pool.free_pages()
+    assert len(held) == len(set(held)), "page held twice"
+    assert not set(held) & set(free), "page both held and free"
+    assert sorted(held + free) == list(range(pool.capacity)), "page lost"
+    for sid in cache.tables:
+        assert len(cache.tables[sid]) == -(-cache.length(sid) // ps)
+    assert cache.kv_bytes() == cache.pages_in_use() * pool.page_bytes * cache.spec.num_layers
     assert cache.kv_bytes() <= cache.reserved_bytes()
 
 
@@ -74,14 +75,14 @@ def test_free_list_reuse_and_truncate():
     model = tiny_model(num_kv_heads=1, num_heads=2, head_dim=4, hidden_size=8, intermediate_size=16)
     a = cache.add_sequence()
     prefill(model, cache, a, torch.arange(10))
-    pages_a = list(cache.tables[a][0])
+    pages_a = list(cache.tables[a])
     cache.free_sequence(a)
     b = cache.add_sequence()
     prefill(model, cache, b, torch.arange(3))
-    assert cache.tables[b][0][0] == pages_a[0]  # LIFO reuse
+    assert cache.tables[b][0] == pages_a[0]  # LIFO reuse
     prefill(model, cache, b, torch.arange(9), start_pos=3)
     cache.truncate(b, 5)
-    assert cache.length(b) == 5 and len(cache.tables[b][0]) == 2
+    assert cache.length(b) == 5 and len(cache.tables[b]) == 2
     check_invariants(cache)
 
 
@@ -90,7 +91,9 @@ def test_fixed_capacity_runs_out_with_a_typed_error():
     cache = PagedKVCache(model.kv_spec(), PagedCacheConfig(page_size=4, max_pages=3, initial_pages=2))
     sid = cache.add_sequence()
     prefill(model, cache, sid, torch.arange(12))
-    assert cache.pools[0].allocate() is None  # "no room" is a return value at the pool
+    assert cache.pool.allocate() is None  # "no room" is a return value at the pool
+    assert not cache.allocate_slots([sid], 1)  # ... and at the cache: nothing taken
+    assert cache.length(sid) == 12 and len(cache.tables[sid]) == 3
     with pytest.raises(KVCacheFullError, match="max_pages"):
         prefill(model, cache, sid, torch.arange(1), start_pos=12)
 
@@ -136,7 +139,7 @@ def test_property_accounting_and_equivalence(ops, page_size, max_pages):
         p, o = live[target]
         if op[0] in ("add", "grow"):
             tokens = torch.randint(0, 512, (n_new,), generator=gen)
-            start, before = paged.length(p), [list(t) for t in paged.tables[p]]
+            start, before = paged.length(p), list(paged.tables[p])
             try:
                 la = prefill(model, paged, p, tokens, start_pos=start, chunk_size=64)  # one step
             except KVCacheFullError:
@@ -155,7 +158,41 @@ def test_property_accounting_and_equivalence(ops, page_size, max_pages):
             oracle.free_sequence(o)
         check_invariants(paged)
         if max_pages is not None:
-            assert all(pool.capacity <= max_pages for pool in paged.pools)
+            assert paged.pool.capacity <= max_pages
     for p, o in live:
         paged.free_sequence(p)
     assert paged.pages_in_use() == 0 and paged.kv_bytes() == 0
+
+
+def test_shared_prefix_pages_are_counted_and_copied_on_write():
+    """Full pages shared with a second sequence (prefix reuse) and held by the index: reference
+    counts balance, logits equal an unshared sequence's, a truncation into a shared page copies
+    it first, and every page comes back when the last reference goes."""
+    model = tiny_model(seed=9)
+    cache = PagedKVCache(model.kv_spec(), PagedCacheConfig(page_size=4, initial_pages=2))
+    oracle = ContiguousKVCache(model.kv_spec())
+    tokens = torch.randint(0, 512, (14,), generator=torch.Generator().manual_seed(3))
+    a = cache.add_sequence()
+    prefill(model, cache, a, tokens[:10])
+    shared = cache.pages_of(a)[:2]  # two full pages
+    cache.hold_pages(shared)
+    b = cache.add_sequence(shared=shared)
+    assert cache.length(b) == 8 and cache.page_refs(shared) == [3, 3] and cache.pages_indexed(shared) == [True] * 2
+    got = prefill(model, cache, b, tokens[8:14], start_pos=8, all_logits=True)
+    want = prefill(model, oracle, oracle.add_sequence(), tokens[:14], all_logits=True)[8:]
+    assert (got - want).abs().max().item() <= 1e-5  # (the shared pages were written by another chunking)
+    cache.check()
+    usage = cache.usage()
+    assert usage.indexed_pages == 2 and usage.sequence_refs == len(cache.pages_of(a)) + len(cache.pages_of(b))
+    assert usage.token_bytes == (10 + 14 - 8) * cache.spec.token_bytes_per_layer * cache.spec.num_layers
+    before = cache.read_pages(shared)
+    cache.truncate(b, 6)  # inside the second shared page: b gets a private copy
+    assert cache.pages_of(b)[1] != shared[1] and cache.page_refs(shared) == [3, 2]
+    assert all(torch.equal(x, y) for x, y in zip(cache.read_pages(shared), before))
+    cache.check()
+    for sid in (a, b):
+        cache.free_sequence(sid)
+    assert cache.page_refs(shared) == [1, 1] and cache.pages_in_use() == 2
+    cache.drop_pages(shared)
+    assert cache.pages_in_use() == 0
+    cache.check()

@@ -8,21 +8,13 @@ from __future__ import annotations
 
 def open_sequences(engine) -> int:
     """Sequences the cache holds (each running or paused request has one)."""
-    cache = engine.cache
-    if hasattr(cache, "mgr"):
-        return len(cache.mgr.table.seq_len)
-    return len(cache.sequences())
+    return engine.cache.usage().sequences
 
 
 def pages_held_by_requests(engine) -> int:
-    """Page references held by requests' sequences (tiered: per page record, every layer
-    together; paged: pages in use) — 0 when no request is running or paused; the prefix
-    index's own references are not counted."""
-    cache = engine.cache
-    if hasattr(cache, "mgr"):
-        t = cache.mgr.table
-        return int(t.refs.sum()) - int(t.cached.sum())
-    return int(cache.pages_in_use())
+    """Page references held by requests' sequences (a page per record, every layer together) — 0
+    when no request is running or paused; the prefix index's own references are not counted."""
+    return engine.cache.usage().sequence_refs
 
 
 def idle_check(engine) -> str | None:
@@ -32,9 +24,7 @@ def idle_check(engine) -> str | None:
         return None
     problems = []
     try:
-        cache = engine.cache
-        if hasattr(cache, "mgr"):
-            cache.mgr.check_invariants()
+        engine.cache.check()
         if engine.prefix is not None:
             engine.prefix.check()
     except AssertionError as exc:

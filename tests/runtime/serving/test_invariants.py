@@ -1,15 +1,17 @@
 """Invariants under load (hypothesis, stateful): random streams of submit / step / cancel /
-preempt / drain over a tiered cache with a device budget, a bounded host tier and prefix
-reuse never lose or duplicate a page, never exceed a budget, leave no page referenced by a
-finished request, and every freed page returns to its pool."""
+preempt / drain over the paged cache (a page budget) or the tiered cache (a device budget, a
+bounded host tier), both with prefix reuse, never lose or duplicate a page, never exceed a
+budget, leave no page referenced by a finished request, and every freed page returns to its
+pool. The machine sees the caches through the serving interface only (``KVCache.usage``,
+``check``, ``pages_of``), as the engine does."""
 
 import random
 
-import torch
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from helpers import tiny_model
+from tieredkv.runtime.paged import PagedCacheConfig, PagedKVCache
 from tieredkv.runtime.sampling import SamplingParams
 from tieredkv.runtime.serving import Engine, PrefixConfig, RequestStatus, SchedulerConfig
 from tieredkv.runtime.serving.scheduler import ScheduledStep
@@ -24,15 +26,19 @@ SYSTEMS = [list(range(20, 20 + 3 * PAGE)), list(range(300, 300 + 2 * PAGE + 5))]
 
 
 class ServingMachine(RuleBasedStateMachine):
-    @initialize(device=st.sampled_from([14, 20, 40]), host=st.sampled_from([None, 60]),
-                admission=st.sampled_from(["optimistic", "reserve"]),
+    @initialize(kind=st.sampled_from(["tiered", "paged"]), device=st.sampled_from([14, 20, 40]),
+                host=st.sampled_from([None, 60]), admission=st.sampled_from(["optimistic", "reserve"]),
                 preemption=st.sampled_from(["demote", "recompute"]), tiers=st.sampled_from(["device", "disk"]),
                 warm=st.sampled_from([None, "int4"]))
-    def setup(self, device, host, admission, preemption, tiers, warm):
-        cfg = TieredKVConfig(page_size=PAGE, sink_tokens=4, recent_tokens=16, staging_pages=2,
-                             device_budget=f"{device * PAGE * TOKEN_BYTES}B", attention_budget=10 ** 6,
-                             host_budget=None if host is None else host * PAGE, warm_codec=warm)
-        self.cache = TieredKVCache(SPEC, cfg)
+    def setup(self, kind, device, host, admission, preemption, tiers, warm):
+        if kind == "tiered":
+            cfg = TieredKVConfig(page_size=PAGE, sink_tokens=4, recent_tokens=16, staging_pages=2,
+                                 device_budget=f"{device * PAGE * TOKEN_BYTES}B", attention_budget=10 ** 6,
+                                 host_budget=None if host is None else host * PAGE, warm_codec=warm)
+            self.cache = TieredKVCache(SPEC, cfg)
+        else:  # the paged cache: every page of a request on the device; preemption by recompute
+            self.cache = PagedKVCache(SPEC, PagedCacheConfig(page_size=PAGE, max_pages=2 * device, initial_pages=4))
+            preemption = "recompute"
         sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=40, prefill_chunk=24, admission=admission,
                                 preemption=preemption, max_model_len=200)
         self.engine = Engine(MODEL, self.cache, scheduler=sched, prefix=PrefixConfig(tiers=tiers))
@@ -74,23 +80,18 @@ class ServingMachine(RuleBasedStateMachine):
 
     @invariant()
     def pages_balance(self):
-        mgr, t = self.cache.mgr, self.cache.mgr.table
-        mgr.check_invariants()
+        cache = self.cache
+        cache.check()
         self.engine.prefix.check()
-        s = self.engine.scheduler
-        assert int(mgr.device.used().max()) <= s.capacity
-        if mgr.host.max_capacity is not None:
-            assert int(mgr.host.used().max()) <= mgr.host.max_capacity
+        usage, s = cache.usage(), self.engine.scheduler
+        assert usage.device_capacity is None or usage.device_pages <= usage.device_capacity
+        assert self.engine.prefix is not None and usage.indexed_pages == len(self.engine.prefix)
         # no page is referenced by a finished request: references = live sequences' lists + the index
-        live = {r.seq_id for r in self.live() if r.seq_id is not None}
-        assert set(t.seq_len) == live
-        listed = torch.zeros_like(t.refs)
-        for seq in live:
-            for rec in t.seq_pages[seq]:
-                listed[rec] += 1
-        assert torch.equal(t.refs, listed + t.cached.long())
+        live = [r for r in self.live() if r.seq_id is not None]
+        assert usage.sequences == len(live)
+        assert usage.sequence_refs == sum(len(cache.pages_of(r.seq_id)) for r in live)
         for r in self.engine.requests.values():
-            assert (r.status is RequestStatus.PAUSED) == (r.seq_id in t.paused)
+            assert (r.status is RequestStatus.PAUSED) == (r in s.paused)
             if r.finished:
                 assert r.seq_id is None
 
@@ -99,11 +100,10 @@ class ServingMachine(RuleBasedStateMachine):
             return
         self.engine.run()
         self.engine.prefix.clear()
-        mgr = self.cache.mgr
-        assert int(mgr.table.refs.sum()) == 0
-        for pool, _ in mgr._pools():
-            if pool is not None:
-                assert int(pool.used().sum()) == 0, f"{pool} kept pages after every request and the index let go"
+        usage = self.cache.usage()
+        assert usage.sequences == usage.sequence_refs == usage.indexed_pages == 0
+        assert usage.device_pages == 0 and usage.device_bytes == 0, "pages kept after every request and the index let go"
+        self.cache.check()
         self.cache.close()
 
 

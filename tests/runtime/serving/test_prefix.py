@@ -181,8 +181,8 @@ def test_the_index_bounds_its_tiers_and_size():
     assert int(e.cache.mgr.table.refs.sum()) == 0 and int(e.cache.mgr.device.used().sum()) == 0
 
 
-def test_prefix_reuse_needs_the_tiered_cache():
-    from tieredkv.runtime.paged import PagedKVCache
+def test_prefix_reuse_needs_a_cache_that_shares_pages():
+    from tieredkv.models.cache import ContiguousKVCache
 
-    with pytest.raises(ConfigError, match="tiered"):
-        Engine(MODEL, PagedKVCache(SPEC), prefix=PrefixConfig())
+    with pytest.raises(ConfigError, match="share pages"):
+        Engine(MODEL, ContiguousKVCache(SPEC), prefix=PrefixConfig())
