@@ -20,6 +20,7 @@ are what a token covers at least one of.
 from __future__ import annotations
 
 import json
+import numbers
 import re
 from typing import Any, Sequence
 
@@ -45,10 +46,12 @@ def check_text(text: str, what: str) -> None:
 
 def check_token_ids(ids: Sequence[Any], what: str, vocab_size: int | None) -> list[int]:
     """``ids`` as a list of ints, each in the vocabulary; PromptError naming the first bad one."""
-    out = list(ids)
-    for i, t in enumerate(out):
-        if not isinstance(t, int) or isinstance(t, bool):
+    out = []
+    for i, t in enumerate(ids):
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
             raise PromptError(f"{what}: element {i} is {short(t)}, not a token id; expected integers")
+        t = int(t)
+        out.append(t)
         if t < 0 or (vocab_size is not None and t >= vocab_size):
             raise PromptError(f"{what}: token id {t} (element {i}) is out of range; the vocabulary has "
                               f"{vocab_size} tokens")
