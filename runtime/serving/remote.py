@@ -211,16 +211,17 @@ class RemoteTier:
     def raw_page_bytes(self) -> int:
         return 2 * self.L * self.kvh * self.P * self.D * torch.tensor([], dtype=self.dtype).element_size()
 
-    def _digest(self, data: bytes) -> bytes:
-        if self._secret is None:
-            return hashlib.sha256(data).digest()
-        return hmac.new(self._secret, data, hashlib.sha256).digest()
+    def _digest(self, head: bytes, payload) -> bytes:
+        h = hashlib.sha256() if self._secret is None else hmac.new(self._secret, digestmod=hashlib.sha256)
+        h.update(head)
+        h.update(payload)
+        return h.digest()
 
     def entry(self, chain_key: bytes, payload: bytes) -> bytes:
         """The stored value of one page: its header (naming the chain key and the layout), the
         digest of header and payload (SHA-256, or HMAC-SHA256 with the shared secret), the payload."""
         head = _HEAD.pack(MAGIC, VERSION, self.auth, self.layout_id, len(chain_key)) + chain_key
-        return head + self._digest(head + payload) + payload
+        return head + self._digest(head, payload) + payload
 
     def header_bytes(self, chain_key: bytes) -> int:
         return _HEAD.size + len(chain_key) + _DIGEST
@@ -253,9 +254,9 @@ class RemoteTier:
         if (magic != MAGIC or version != VERSION or auth != self.auth or layout_id != self.layout_id
                 or len(blob) < start or blob[_HEAD.size: _HEAD.size + key_len] != chain_key):
             return None
-        head = blob[: _HEAD.size + key_len]
-        payload = blob[start:]
-        if not hmac.compare_digest(self._digest(head + payload), blob[start - _DIGEST: start]):
+        view = memoryview(blob)
+        payload = view[start:]
+        if not hmac.compare_digest(self._digest(view[: _HEAD.size + key_len], payload), blob[start - _DIGEST: start]):
             return None
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         if self.codec is not None:

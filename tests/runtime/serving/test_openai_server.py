@@ -419,7 +419,8 @@ def test_cli_serve_end_to_end(gguf, tmp_path):
     flight — the stream still completes (graceful drain) and the process exits 0."""
     log = tmp_path / "serve.log"
     proc, url = start_cli(["--model", str(gguf), "--kv-budget", "25%", "--max-model-len", str(MAX_LEN),
-                            "--max-num-seqs", "8", "--api-key", "k", "--log-level", "warning"], log)
+                           "--max-num-seqs", "8", "--api-key", "k", "--log-level", "warning",
+                           "--shutdown-timeout", "120"], log)
     try:
         assert url.startswith("http://127.0.0.1:")
         client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=60)
@@ -433,7 +434,7 @@ def test_cli_serve_end_to_end(gguf, tmp_path):
         proc.send_signal(signal.SIGTERM)
         rest = list(stream)
         assert (first.choices + rest[-1].choices)[-1].finish_reason == "length"
-        assert proc.wait(30) == 0
+        assert proc.wait(60) == 0
         text = log.read_text()
         assert "stopped (SIGTERM)" in text and "Traceback" not in text
     finally:
