@@ -62,7 +62,9 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch gives the same ids as encode but releases the GIL while it works, so a
+        # server encoding a long prompt on a worker thread keeps its event loop running
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         return ids

@@ -68,12 +68,13 @@ def validate_prompts(prompts: Sequence[Sequence[int]], context: int) -> None:
 BATCH_MAX_SEQS = 256
 
 
-def batch_scheduler(num_prompts: int, prefill_chunk: int) -> SchedulerConfig:
+def batch_scheduler(num_prompts: int, prefill_chunk: int, max_model_len: int | None = None) -> SchedulerConfig:
     """A batch job's schedule: the prompts admitted at once (as the KV budget and
     ``BATCH_MAX_SEQS`` allow), each prefilled whole in the step it is admitted, then decoded
-    together; the rest join as others finish."""
+    together; the rest join as others finish. ``max_model_len``: the longest sequence (prompt
+    + output; None: the model's context)."""
     return SchedulerConfig(max_num_seqs=min(max(1, num_prompts), BATCH_MAX_SEQS), max_num_batched_tokens=None,
-                           prefill_chunk=prefill_chunk, admission="optimistic")
+                           prefill_chunk=prefill_chunk, admission="optimistic", max_model_len=max_model_len)
 
 
 ERRORS = ("raise", "report")
@@ -83,18 +84,21 @@ ERRORS = ("raise", "report")
 def generate(model: Llama, cache: KVCache, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
              tokenizer: Tokenizer | None = None, on_token: Callable[[TokenEvent], bool | None] | None = None,
              prefill_chunk: int = 512, stats: GenerationStats | None = None, errors: str = "raise",
-             progress=None) -> list[Completion]:
+             progress=None, max_model_len: int | None = None) -> list[Completion]:
     """Generate for every prompt (token ids) through the serving engine with a batch job's
     schedule (:func:`batch_scheduler`); results in input order, sequences freed from ``cache``
     as they finish. ``errors="raise"``: every prompt is checked before any work and the first
     error is raised; ``"report"``: a prompt that cannot run, or whose step fails, gets a
     completion with finish reason ``error`` (and the message in ``error``) and the others go
-    on. ``progress``: a tqdm-like bar advanced per finished request."""
+    on. ``progress``: a tqdm-like bar advanced per finished request; ``max_model_len``: the
+    longest sequence, prompt + output (None: the model's context)."""
     if errors not in ERRORS:
         raise ConfigError(f"errors must be one of {list(ERRORS)}, got {errors!r}")
+    context = min(model.config.max_position_embeddings, max_model_len or model.config.max_position_embeddings)
     if errors == "raise":
-        validate_prompts(prompts, model.config.max_position_embeddings)
-    engine = Engine(model, cache, tokenizer=tokenizer, scheduler=batch_scheduler(len(prompts), prefill_chunk),
+        validate_prompts(prompts, context)
+    engine = Engine(model, cache, tokenizer=tokenizer,
+                    scheduler=batch_scheduler(len(prompts), prefill_chunk, max_model_len),
                     on_error="raise" if errors == "raise" else "fail")
     outs: list[Completion] = []
     reqs = []

@@ -7,15 +7,16 @@ from typing import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from tieredkv.errors import ConfigError
+from tieredkv.errors import ConfigError, PromptError, short
 from tieredkv.models.cache import KVCache
 from tieredkv.models.hub import resolve_model
 from tieredkv.models.llama import Llama
 from tieredkv.models.loading import load_checkpoint
 from tieredkv.models.tokenizer import Tokenizer
-from tieredkv.runtime.generate import Completion, GenerationStats, TokenEvent, generate
+from tieredkv.runtime.generate import BATCH_MAX_SEQS, ERRORS, Completion, GenerationStats, TokenEvent, generate
 from tieredkv.runtime.paged import PagedCacheConfig, PagedKVCache
 from tieredkv.runtime.sampling import SamplingParams
+from tieredkv.runtime.serving.prompts import check_text, check_token_ids
 from tieredkv.runtime.tiered.cache import TieredKVCache
 from tieredkv.runtime.tiered.config import TieredKVConfig
 
@@ -58,28 +59,34 @@ class LLM:
     directory. Each ``generate`` call uses a fresh cache, so calls are independent.
     ``device``: where the model runs (``cpu``, ``cuda``, ``cuda:N``); the plain cache's pools and
     the tiered cache's device tier live there, its host and disk tiers in host memory.
+    ``max_model_len``: the longest sequence, prompt + output (default: the model's context);
+    a percentage budget of ``kv`` (``device_budget="25%"``) is that share of the full cache's
+    KV for ``max_model_len`` tokens per sequence decoded at once (the prompts of a call, at
+    most 256), whatever the prompts' lengths — as a server's is of its served length.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "float32", cache: PagedCacheConfig | None = None,
                  kv: TieredKVConfig | None = None, prefill_chunk: int = 512,
-                 log: Callable[[str], None] | None = None, device: str | None = None) -> None:
+                 log: Callable[[str], None] | None = None, device: str | None = None,
+                 max_model_len: int | None = None) -> None:
         target = resolve_device(device)
         path = resolve_model(model, log=log)
         loaded = load_checkpoint(path, dtype=parse_dtype(dtype))
-        self._init(loaded.model.to(target), loaded.tokenizer, cache, kv, prefill_chunk)
+        self._init(loaded.model.to(target), loaded.tokenizer, cache, kv, prefill_chunk, max_model_len)
         self.source = path
 
     @classmethod
     def from_model(cls, model: Llama, tokenizer: Tokenizer | None = None, *, cache: PagedCacheConfig | None = None,
-                   kv: TieredKVConfig | None = None, prefill_chunk: int = 512) -> "LLM":
+                   kv: TieredKVConfig | None = None, prefill_chunk: int = 512,
+                   max_model_len: int | None = None) -> "LLM":
         self = cls.__new__(cls)
-        self._init(model, tokenizer, cache, kv, prefill_chunk)
+        self._init(model, tokenizer, cache, kv, prefill_chunk, max_model_len)
         self.source = None
         return self
 
     @classmethod
     def from_engine(cls, engine_dir: str, *, backend: str = "auto", kv: TieredKVConfig | None = None,
-                    prefill_chunk: int = 512, **backend_kwargs) -> "LLM":
+                    prefill_chunk: int = 512, max_model_len: int | None = None, **backend_kwargs) -> "LLM":
         """An engine directory (builder/build_engine.py) run by an engine backend
         (tieredkv.runtime.engine) under the tiered cache: ``kv`` (default: unlimited budgets
         at the engine's page size, equal to the plain cache)."""
@@ -87,16 +94,23 @@ class LLM:
 
         loaded = load_engine(engine_dir, backend, **backend_kwargs)
         kv = kv or TieredKVConfig(page_size=loaded.model.engine.page_size)
-        self = cls.from_model(loaded.model, loaded.tokenizer, kv=kv, prefill_chunk=prefill_chunk)
+        self = cls.from_model(loaded.model, loaded.tokenizer, kv=kv, prefill_chunk=prefill_chunk,
+                              max_model_len=max_model_len)
         self.source = loaded.source
         return self
 
     def _init(self, model: Llama, tokenizer: Tokenizer | None, cache: PagedCacheConfig | None,
-              kv: TieredKVConfig | None, prefill_chunk: int) -> None:
+              kv: TieredKVConfig | None, prefill_chunk: int, max_model_len: int | None) -> None:
         if prefill_chunk <= 0:
             raise ConfigError(f"prefill_chunk must be a positive integer, got {prefill_chunk}")
         if cache is not None and kv is not None:
             raise ConfigError("give either cache (a plain paged cache) or kv (the tiered cache), not both")
+        context = model.config.max_position_embeddings
+        if max_model_len is not None and (not isinstance(max_model_len, int) or isinstance(max_model_len, bool)
+                                          or not 2 <= max_model_len <= context):
+            raise ConfigError(f"max_model_len must be an integer in [2, {context}] (the model's context), got "
+                              f"{short(max_model_len)}")
+        self.max_model_len = max_model_len or context
         self.model, self.tokenizer = model, tokenizer
         self.config = model.config
         self.cache_config = cache or PagedCacheConfig()
@@ -116,9 +130,29 @@ class LLM:
     def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
         if self.tokenizer is None:
             raise ConfigError("this model has no tokenizer; pass prompts as lists of token ids")
+        check_text(prompt, "the prompt")
         if chat:
             prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
+
+    def prompt_ids(self, prompt, *, index: int = 0, chat: bool = False) -> list[int]:
+        """One prompt of :meth:`generate` as token ids: text (a str) is encoded, token ids are
+        checked against the vocabulary; anything else (bytes, None, a number) is a PromptError."""
+        what = f"prompt {index}"
+        if isinstance(prompt, str):
+            try:
+                return self.encode(prompt, chat=chat)
+            except PromptError as exc:
+                raise PromptError(str(exc).replace("the prompt", what, 1)) from None
+        if isinstance(prompt, (bytes, bytearray, memoryview)):
+            raise PromptError(f"{what} is {type(prompt).__name__}, not text: expected a str (decode the bytes first, "
+                              "e.g. .decode('utf-8')) or a list of token ids")
+        if hasattr(prompt, "tolist") and getattr(prompt, "ndim", None) == 1:  # a tensor or an array of ids
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple, range)):
+            raise PromptError(f"{what} is {short(prompt)} ({type(prompt).__name__}); expected text (a str) or a list "
+                              "of token ids")
+        return check_token_ids(prompt, what, self.config.vocab_size)
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | None = None, *, chat: bool = False,
@@ -128,23 +162,40 @@ class LLM:
         serving engine (all prompts admitted as the KV budget allows, decoded together).
         ``errors``: ``"raise"`` checks every prompt first and raises the first error;
         ``"report"`` gives a prompt that cannot run a completion with finish reason ``error``
-        and goes on with the others. ``progress``: a progress bar per finished request (None:
-        when stderr is a terminal). Statistics of the call are left in ``self.last_stats``."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        ids = [self.encode(p, chat=chat) if isinstance(p, str) else list(p) for p in prompts]
+        and goes on with the others — a prompt that is not text or token ids, or not valid
+        Unicode, included. ``progress``: a progress bar per finished request (None: when
+        stderr is a terminal). Statistics of the call are left in ``self.last_stats``."""
+        if errors not in ERRORS:
+            raise ConfigError(f"errors must be one of {list(ERRORS)}, got {errors!r}")
+        prompts = [prompts] if isinstance(prompts, (str, bytes)) else list(prompts)
+        ids, refused = [], {}
+        for i, p in enumerate(prompts):
+            try:
+                ids.append(self.prompt_ids(p, index=i, chat=chat))
+            except PromptError as exc:
+                if errors == "raise":
+                    raise
+                refused[i] = f"{type(exc).__name__}: {exc}"
         params = params or SamplingParams()
         self.last_stats = GenerationStats()
-        # the work's full cache: prompt + new tokens, which generation stops at the model's context
-        full = min(max(len(p) for p in ids) + params.max_new_tokens, self.config.max_position_embeddings) \
-            if ids else None
-        self.last_cache = self.new_cache(full_tokens=full, num_sequences=len(ids))
-        bar = tqdm(total=len(ids), unit="req", desc="generate", disable=None if progress is None else not progress,
-                   leave=False)
+        # percentages are of max_model_len tokens for each sequence decoded at once
+        self.last_cache = self.new_cache(full_tokens=self.max_model_len,
+                                         num_sequences=min(max(1, len(ids)), BATCH_MAX_SEQS))
+        bar = tqdm(total=len(prompts), unit="req", desc="generate",
+                   disable=None if progress is None else not progress, leave=False)
+        bar.update(len(refused))
         try:
-            return generate(self.model, self.last_cache, ids, params, tokenizer=self.tokenizer,
-                            on_token=on_token, prefill_chunk=self.prefill_chunk, stats=self.last_stats,
-                            errors=errors, progress=bar)
+            outs = iter(generate(self.model, self.last_cache, ids, params, tokenizer=self.tokenizer,
+                                 on_token=on_token, prefill_chunk=self.prefill_chunk, stats=self.last_stats,
+                                 errors=errors, progress=bar, max_model_len=self.max_model_len))
         finally:
             bar.close()
             self.last_cache.close()  # its statistics stay readable
+        results = []
+        for i in range(len(prompts)):
+            if i in refused:
+                results.append(Completion(i, [], finish_reason="error", error=refused[i]))
+            else:
+                results.append(next(outs))
+                results[-1].index = i
+        return results

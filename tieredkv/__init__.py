@@ -5,6 +5,9 @@ Public API (imported lazily, so `tieredkv --help` does not load torch)::
     from tieredkv import LLM, SamplingParams
     llm = LLM()                      # default model: SmolLM2-135M-Instruct, pulled on first use
     out = llm.generate(["The capital of France is"], SamplingParams(max_new_tokens=16))
+
+    # a server's engine: EngineArgs(...).build().engine, stepped on a thread by AsyncEngine
+    from tieredkv import AsyncEngine, EngineArgs
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "tieredkv.runtime.llm",
+    "AsyncEngine": "tieredkv.runtime.serving.engine",
+    "EngineArgs": "tieredkv.runtime.serving.deploy",
     "SamplingParams": "tieredkv.runtime.sampling",
     "Completion": "tieredkv.runtime.generate",
     "TokenEvent": "tieredkv.runtime.generate",

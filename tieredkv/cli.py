@@ -156,7 +156,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     kv = _kv_config(args, loaded)
     cache_cfg = None if kv else PagedCacheConfig(page_size=args.page_size or 16)
     _need_tokenizer(loaded)
-    llm = LLM.from_model(loaded.model, loaded.tokenizer, cache=cache_cfg, kv=kv, prefill_chunk=args.prefill_chunk)
+    llm = LLM.from_model(loaded.model, loaded.tokenizer, cache=cache_cfg, kv=kv, prefill_chunk=args.prefill_chunk,
+                         max_model_len=args.max_model_len)
     prompts = args.prompt
     stream = len(prompts) == 1 and not args.no_stream
 
@@ -329,8 +330,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tieredkv.runtime.serving.deploy import EngineArgs
     from tieredkv.runtime.serving.openai_server import serve
 
+    limits = {k: getattr(args, k) for k in ("shutdown_timeout", "max_request_bytes") if getattr(args, k) is not None}
     return serve(EngineArgs.from_namespace(args), host=args.host, port=args.port, api_key=args.api_key,
-                 log_level=args.log_level, log=_log)
+                 log_level=args.log_level, log=_log, **limits)
 
 
 def cmd_triton_repo(args: argparse.Namespace) -> int:
@@ -377,6 +379,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds in [0, 3600], got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tieredkv.runtime.serving.deploy import add_engine_arguments
 
@@ -395,6 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--page-size", type=_positive_int, default=None, help="KV page size in tokens (default 16)")
     g.add_argument("--prefill-chunk", type=_positive_int, default=512)
+    g.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="longest sequence, prompt + output (default: the model's context); a percentage --kv-budget "
+                        "is that share of the full cache's KV for this many tokens per prompt")
     g.add_argument("--no-stream", action="store_true", help="print the completion at the end only")
     g.add_argument("--json", action="store_true", help="last stdout line: one JSON object with the figures")
     _add_kv_args(g)
@@ -451,6 +466,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     sv.add_argument("--api-key", default=None, help="require this bearer token on /v1 requests")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sv.add_argument("--shutdown-timeout", type=_seconds, default=None, metavar="SECONDS",
+                    help="on SIGTERM / SIGINT / SIGHUP, seconds the requests in flight get to finish before they are "
+                         "cancelled (503, or an error event and [DONE] on a stream); default 5")
+    sv.add_argument("--max-request-bytes", type=_positive_int, default=None, metavar="BYTES",
+                    help="largest request body accepted (413 beyond it); default 16 MiB")
     sv.set_defaults(func=cmd_serve)
 
     tr = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository (Python backend, "

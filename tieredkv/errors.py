@@ -50,6 +50,11 @@ class ConfigError(TieredKVError):
     """A configuration value is out of range or inconsistent."""
 
 
+class PromptError(TieredKVError):
+    """A prompt cannot be used: not text or token ids, text that is not valid Unicode (a lone
+    surrogate), a token id outside the vocabulary."""
+
+
 class ContextLengthError(TieredKVError):
     """A prompt (plus the tokens to generate) does not fit the model context."""
 

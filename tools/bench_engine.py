@@ -81,6 +81,7 @@ def main() -> int:
     rows = []
     for plen in args.prompt_lens:
         prompt = [ids[5000 : 5000 + plen]]
+        work = min(plen + args.new_tokens, loaded.config.max_position_embeddings)  # a percentage budget's base
         for budget in args.budgets:
             warm = (dict(kv_dtype="float16", warm_codec=args.warm_codec, warm_fraction=args.warm_fraction)
                     if args.warm_codec else {"warm_codec": "off"})
@@ -89,7 +90,7 @@ def main() -> int:
             for name, model in backends.items():
                 prefill, decode = [], []
                 for _ in range(args.repeats):
-                    llm = LLM.from_model(model, loaded.tokenizer, kv=kv)
+                    llm = LLM.from_model(model, loaded.tokenizer, kv=kv, max_model_len=work)
                     out = llm.generate(prompt, params)
                     prefill.append(llm.last_stats.prefill_tok_s)
                     decode.append(llm.last_stats.decode_tok_s)

@@ -165,8 +165,12 @@ class EngineArgs:
         sched = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                  "prefill_chunk": args.prefill_chunk, "max_model_len": args.max_model_len}
         remote = None
+        if getattr(args, "remote_kv_secret", None) is not None and not getattr(args, "remote_kv", None):
+            raise ConfigError("--remote-kv-secret signs the remote KV tier's entries; give --remote-kv URL with it")
         if getattr(args, "remote_kv", None):
             remote = {"url": args.remote_kv}
+            if getattr(args, "remote_kv_secret", None) is not None:
+                remote["secret"] = args.remote_kv_secret
         return cls(model=args.model, dtype=args.dtype, engine=args.engine, backend=args.backend,
                    served_model_name=args.served_model_name, page_size=args.page_size,
                    kv=kv or (None if args.kv_config is None else {}), kv_config=args.kv_config,
@@ -283,3 +287,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "(default disk); off disables it")
     g.add_argument("--remote-kv", default=None, metavar="URL",
                    help="a shared remote KV tier for prefix pages, e.g. redis://127.0.0.1:6379/0 (docs/serving.md)")
+    g.add_argument("--remote-kv-secret", default=None, metavar="KEY",
+                   help="a key shared by the replicas: remote entries are signed with HMAC-SHA256 and only entries "
+                        "signed with it are read (default: the TIEREDKV_REMOTE_KV_SECRET environment variable, which "
+                        "other users of the machine cannot read from the process list; none: a plain SHA-256)")

@@ -17,9 +17,16 @@ shape (layers, KV heads, head dim), page size, stored dtype, the codec and a fin
 of the weights — so replicas of different models, dtypes or page sizes never read each
 other's pages.
 
-Entries: ``MAGIC | version | SHA-256 of the payload | payload``. An entry that is missing,
-evicted (Redis's own ``maxmemory`` policy, or ``ttl_seconds``), truncated or fails its
-checksum is not used: the request computes those pages (counted, never wrong output).
+Entries: ``MAGIC | version | auth | layout id | chain key | digest | payload``. The digest
+covers everything before it and the payload: the entry names its own chain key and layout,
+so a valid entry copied under another key (another prompt's, another layout's) fails
+verification instead of answering for pages it does not hold. ``auth`` says what the digest
+is: SHA-256 (integrity: a damaged, truncated, misplaced or foreign entry is caught) or, with
+a shared ``secret``, HMAC-SHA256 keyed by it (authenticity: a writer without the secret
+cannot make an entry the replicas accept). An entry that is missing, evicted (Redis's own
+``maxmemory`` policy, or ``ttl_seconds``), truncated, misplaced or fails its digest is not
+used: the request computes those pages (counted, never wrong output). docs/serving.md has
+the threat model.
 Redis being down or slow (``timeout`` per call) skips the tier for ``backoff`` seconds,
 doubling up to ``max_backoff``; the server keeps serving.
 
@@ -31,12 +38,14 @@ trip per request.
 from __future__ import annotations
 
 import hashlib
+import hmac
+import os
 import queue
 import struct
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -44,9 +53,22 @@ import torch
 from tieredkv.errors import ConfigError, short
 
 MAGIC = b"TKVR"
-VERSION = 1
-_HEADER = struct.Struct("<4sB32s")  # magic, version, sha256(payload)
+VERSION = 2
+_HEAD = struct.Struct("<4sBB16sB")  # magic, version, auth, layout id, chain key length (then the key, the digest)
+_DIGEST = 32
+AUTH_SHA256, AUTH_HMAC = 0, 1
 CODEC_CHOICES = ("warm", "none")
+#: the environment variable a replica reads its shared secret from when its settings give none
+SECRET_ENV = "TIEREDKV_REMOTE_KV_SECRET"
+MIN_SECRET_CHARS = 16
+
+
+def _check_secret(secret: Any, where: str) -> None:
+    """A shared key long enough not to be guessed (its value never appears in a message)."""
+    if not isinstance(secret, str) or len(secret) < MIN_SECRET_CHARS:
+        got = f"{len(secret)} characters" if isinstance(secret, str) else type(secret).__name__
+        raise ConfigError(f"{where} must be a string of at least {MIN_SECRET_CHARS} characters (e.g. the output of "
+                          f"`openssl rand -hex 32`), got {got}")
 
 
 @dataclass(frozen=True)
@@ -56,7 +78,10 @@ class RemoteConfig:
     expire after this (None: Redis's own eviction policy decides); ``codec``: ``warm`` (the
     cache's warm codec when it has one, raw otherwise) or ``none`` (always raw); ``timeout``:
     seconds per Redis call; ``backoff`` / ``max_backoff``: seconds the tier is skipped after a
-    failure (doubling); ``write_queue``: pages waiting to be written at most."""
+    failure (doubling); ``write_queue``: pages waiting to be written at most; ``secret``: a
+    key shared by the replicas (None: the ``TIEREDKV_REMOTE_KV_SECRET`` environment variable,
+    else no key): entries are then signed with HMAC-SHA256 and only entries signed with the
+    same key are read."""
 
     url: str
     namespace: str = "tieredkv"
@@ -66,6 +91,7 @@ class RemoteConfig:
     backoff: float = 1.0
     max_backoff: float = 30.0
     write_queue: int = 4096
+    secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url.startswith(("redis://", "rediss://", "unix://")):
@@ -83,6 +109,17 @@ class RemoteConfig:
                 raise ConfigError(f"remote {name} must be a number of seconds in (0, 3600], got {short(v)}")
         if not isinstance(self.write_queue, int) or isinstance(self.write_queue, bool) or self.write_queue < 1:
             raise ConfigError(f"remote write_queue must be a positive integer, got {short(self.write_queue)}")
+        if self.secret is not None:
+            _check_secret(self.secret, "remote secret")
+
+    def resolved_secret(self) -> bytes | None:
+        """The shared key: ``secret``, else the ``TIEREDKV_REMOTE_KV_SECRET`` environment
+        variable, else None (entries carry a plain SHA-256)."""
+        secret = self.secret if self.secret is not None else (os.environ.get(SECRET_ENV) or None)
+        if secret is None:
+            return None
+        _check_secret(secret, f"the {SECRET_ENV} environment variable")
+        return secret.encode()
 
     @classmethod
     def from_dict(cls, data: Any) -> "RemoteConfig":
@@ -104,7 +141,7 @@ class RemoteStats:
     queried_pages: int = 0  # pages asked for (beyond the local prefix hits)
     hit_pages: int = 0  # pages read, verified and used
     miss_pages: int = 0  # asked for and absent (never written, expired or evicted)
-    corrupt_pages: int = 0  # present but unusable (bad header, size or checksum)
+    corrupt_pages: int = 0  # present but unusable (bad header or size, another key's or layout's, bad digest)
     written_pages: int = 0
     dropped_writes: int = 0  # not written: the write queue was full or Redis was down
     bytes_read: int = 0
@@ -148,8 +185,13 @@ class RemoteTier:
         warm = cache.mgr.warm
         self.codec = warm.codec if (warm is not None and config.codec == "warm") else None
         codec_name = "raw" if self.codec is None else cache.config.warm.codec
-        layout = f"v{VERSION}|L{self.L}|H{self.kvh}|D{self.D}|P{self.P}|{self.dtype}|{codec_name}|{model_fingerprint(model)}"
-        self.layout = hashlib.sha256(layout.encode()).hexdigest()[:16]
+        self._secret = config.resolved_secret()
+        self.auth = AUTH_SHA256 if self._secret is None else AUTH_HMAC
+        auth_name = "sha256" if self._secret is None else "hmac-sha256"
+        layout = (f"v{VERSION}|L{self.L}|H{self.kvh}|D{self.D}|P{self.P}|{self.dtype}|{codec_name}|"
+                  f"{model_fingerprint(model)}|{auth_name}")
+        self.layout_id = hashlib.sha256(layout.encode()).digest()[:16]
+        self.layout = self.layout_id[:8].hex()
         self.layout_text = layout
         self.stats = RemoteStats()
         self._known: OrderedDict[bytes, None] = OrderedDict()  # keys this replica wrote or read (not rewritten)
@@ -169,9 +211,24 @@ class RemoteTier:
     def raw_page_bytes(self) -> int:
         return 2 * self.L * self.kvh * self.P * self.D * torch.tensor([], dtype=self.dtype).element_size()
 
+    def _digest(self, head: bytes, payload) -> bytes:
+        h = hashlib.sha256() if self._secret is None else hmac.new(self._secret, digestmod=hashlib.sha256)
+        h.update(head)
+        h.update(payload)
+        return h.digest()
+
+    def entry(self, chain_key: bytes, payload: bytes) -> bytes:
+        """The stored value of one page: its header (naming the chain key and the layout), the
+        digest of header and payload (SHA-256, or HMAC-SHA256 with the shared secret), the payload."""
+        head = _HEAD.pack(MAGIC, VERSION, self.auth, self.layout_id, len(chain_key)) + chain_key
+        return head + self._digest(head, payload) + payload
+
+    def header_bytes(self, chain_key: bytes) -> int:
+        return _HEAD.size + len(chain_key) + _DIGEST
+
     @property
     def entry_bytes(self) -> int:
-        """Bytes one page's payload takes (the header adds 37)."""
+        """Bytes one page's payload takes (the header adds :meth:`header_bytes`)."""
         if self.codec is None:
             return self.raw_page_bytes
         from tieredkv.plugins.codec import page_bytes
@@ -187,13 +244,19 @@ class RemoteTier:
         return k.to(self.dtype).contiguous().view(torch.uint8).numpy().tobytes() + \
             v.to(self.dtype).contiguous().view(torch.uint8).numpy().tobytes()
 
-    def _unpack(self, blob: bytes | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """K, V [L, KVH, P, D] of a verified entry; None when it is unusable."""
-        if blob is None or len(blob) < _HEADER.size:
+    def _unpack(self, blob: bytes | None, chain_key: bytes) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K, V [L, KVH, P, D] of an entry verified to be ``chain_key``'s page in this layout;
+        None when it is unusable."""
+        if blob is None or len(blob) < _HEAD.size:
             return None
-        magic, version, digest = _HEADER.unpack_from(blob)
-        payload = memoryview(blob)[_HEADER.size:]
-        if magic != MAGIC or version != VERSION or hashlib.sha256(payload).digest() != digest:
+        magic, version, auth, layout_id, key_len = _HEAD.unpack_from(blob)
+        start = _HEAD.size + key_len + _DIGEST
+        if (magic != MAGIC or version != VERSION or auth != self.auth or layout_id != self.layout_id
+                or len(blob) < start or blob[_HEAD.size: _HEAD.size + key_len] != chain_key):
+            return None
+        view = memoryview(blob)
+        payload = view[start:]
+        if not hmac.compare_digest(self._digest(view[: _HEAD.size + key_len], payload), blob[start - _DIGEST: start]):
             return None
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         if self.codec is not None:
@@ -254,11 +317,11 @@ class RemoteTier:
         pages = []
         with self._lock:
             self.stats.queried_pages += len(chain_keys)
-            for blob in blobs:
+            for key, blob in zip(chain_keys, blobs):
                 if blob is None:
                     self.stats.miss_pages += 1
                     break
-                page = self._unpack(blob)
+                page = self._unpack(blob, key)
                 if page is None:
                     self.stats.corrupt_pages += 1
                     break
@@ -344,8 +407,7 @@ class RemoteTier:
             with self._lock:
                 self.stats.dropped_writes += len(batch)
             return
-        entries = [(self.key(key), _HEADER.pack(MAGIC, VERSION, hashlib.sha256(payload).digest()) + payload)
-                   for key, payload in batch]
+        entries = [(self.key(key), self.entry(key, payload)) for key, payload in batch]
         try:
             pipe = self.client.pipeline(transaction=False)
             for name, value in entries:

@@ -197,3 +197,27 @@ def test_generate_prefetch_and_access_log_flags(tiny_gguf, tmp_path, capsys):
     assert len(list(logs.glob("seq-*.pt"))) == 1
     assert main(["generate", "--model", tiny_gguf, "--prompt", "x", "--prefetch", "psychic"]) == 2
     assert "prefetch_predictor (prefetch.predictor): unknown value 'psychic'" in capsys.readouterr().err
+
+
+def test_generate_percentage_budget_of_max_model_len(tiny_gguf, capsys):
+    """A percentage budget is a share of --max-model-len tokens per prompt (default: the model's
+    context), so a short prompt runs under it."""
+    assert main(["generate", "--model", tiny_gguf, "--prompt", "Hi", "--max-new-tokens", "4", "--kv-budget", "25%",
+                 "--json"]) == 0
+    d = last_json(capsys)
+    assert d["generated_tokens"] <= 4 and d["tier_metrics"]["decode_steps"] >= 1
+    assert main(["generate", "--model", tiny_gguf, "--prompt", "the cat " * 40, "--max-model-len", "40"]) == 2
+    assert "the model context is 40 tokens" in capsys.readouterr().err
+    assert main(["generate", "--model", tiny_gguf, "--prompt", "x", "--max-model-len", "4096"]) == 2
+    assert "max_model_len must be an integer in [2, 2048]" in capsys.readouterr().err
+
+
+def test_serve_refuses_bad_limits_before_loading(capsys):
+    for flag, value, message in (("--shutdown-timeout", "-1", "expected a number of seconds in [0, 3600]"),
+                                 ("--shutdown-timeout", "soon", "expected a number of seconds"),
+                                 ("--max-request-bytes", "0", "expected a positive integer")):
+        with pytest.raises(SystemExit) as exc:
+            main(["serve", "--model", "/nonexistent.gguf", flag, value])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert main(["serve", "--model", "/nonexistent.gguf", "--port", "0", "--remote-kv-secret", "k" * 32]) == 2
+    assert "give --remote-kv URL with it" in capsys.readouterr().err

@@ -300,7 +300,7 @@ def test_llm_generate_reports_failures_in_input_order(tmp_path):
     from tieredkv.runtime.llm import LLM
 
     llm = LLM.from_model(MODEL, None, cache=PagedCacheConfig(page_size=PAGE))
-    ps = [[5, 6, 7], [], list(range(3, 40)), list(range(MODEL.config.max_position_embeddings))]
+    ps = [[5, 6, 7], [], list(range(3, 40)), [3 + i % 400 for i in range(MODEL.config.max_position_embeddings)]]
     outs = llm.generate(ps, GREEDY, errors="report")
     assert [o.index for o in outs] == [0, 1, 2, 3]
     assert [o.finish_reason for o in outs] == ["length", "error", "length", "error"]

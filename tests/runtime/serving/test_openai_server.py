@@ -8,26 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import torch
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import tiny_model, write_gguf
+from servers import REPO, ServerThread, assert_no_leak, error_of, start_cli, stop_cli
 from tieredkv.runtime.sampling import SamplingParams
 from tieredkv.runtime.serving.deploy import EngineArgs
-from tieredkv.runtime.serving.engine import AsyncEngine
-from tieredkv.runtime.serving.openai_server import METRICS_CONTENT_TYPE, bind_socket, create_app
+from tieredkv.runtime.serving.openai_server import bind_socket
 
 MAX_LEN = 512
 MODEL = "tiny"  # the served name: the checkpoint file's name without .gguf
@@ -35,86 +30,6 @@ TIERED = dict(kv={"device_budget": "25%"}, scheduler={"max_model_len": MAX_LEN, 
 PAGED = dict(scheduler={"max_model_len": MAX_LEN, "max_num_seqs": 8})
 PROMPTS = ["Hello there, the world", "the cat sat on the mat", "in the beginning", "a", "seven sins and the sea"]
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi to the world"}]
-REPO = Path(__file__).resolve().parents[3]
-
-
-class ServerThread:
-    """create_app on an AsyncEngine, served by uvicorn on a thread of its own (127.0.0.1, a free port)."""
-
-    def __init__(self, served, *, api_key: str | None = None, tokenizer=None) -> None:
-        self.served, self.api_key = served, api_key
-        self.engine = AsyncEngine(served.engine)
-        self.engine.start()
-        app = create_app(self.engine, tokenizer or served.tokenizer, served.model_name, api_key=api_key)
-        self.sock = bind_socket("127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                                    timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-
-    def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", self.api_key or "unused"),
-                             max_retries=0, timeout=60, **kw)
-
-    def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key or "unused", max_retries=0,
-                                  timeout=60)
-
-    def on_engine(self, fn):
-        """Run ``fn`` on the engine thread between two steps (no race with the engine)."""
-        return self.engine._submit(fn).result(timeout=30)
-
-    def metrics(self) -> dict[str, float]:
-        """/metrics parsed by prometheus_client: sample name{labels} -> value (and name -> sum)."""
-        r = httpx.get(self.url + "/metrics", timeout=30)
-        assert r.status_code == 200
-        assert r.headers["content-type"] == METRICS_CONTENT_TYPE
-        out: dict[str, float] = {}
-        for fam in text_string_to_metric_families(r.text):
-            for s in fam.samples:
-                key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}"
-                                if s.labels else "")
-                out[key] = s.value
-                if s.labels:
-                    out[s.name] = out.get(s.name, 0.0) + s.value
-        return out
-
-    def wait_idle(self, timeout: float = 20) -> None:
-        deadline = time.monotonic() + timeout
-        while self.on_engine(self.served.engine.has_unfinished):
-            assert time.monotonic() < deadline, "the engine still has requests"
-            time.sleep(0.02)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(20)
-        self.engine.stop_nowait()
-        self.engine.join(20)
-        self.sock.close()
-        if hasattr(self.served.engine.cache, "close"):
-            self.served.engine.cache.close()
-
-
-def assert_no_leak(engine) -> None:
-    """Nothing running and no page held for a finished request (test_invariants.py's checks)."""
-    assert not engine.scheduler.has_work()
-    assert all(r.finished for r in engine.requests.values())
-    cache = engine.cache
-    if hasattr(cache, "mgr"):
-        mgr, t = cache.mgr, cache.mgr.table
-        mgr.check_invariants()
-        if engine.prefix is not None:
-            engine.prefix.check()
-        assert not set(t.seq_len), "a finished request still has a sequence"
-        assert torch.equal(t.refs, t.cached.long()), "pages referenced beyond the prefix index's own references"
-        assert int(mgr.device.used().max()) <= engine.scheduler.capacity
-    else:
-        assert cache.sequences == [] and cache.pages_in_use() == 0
 
 
 def reference(served_args: dict, gguf: Path, prompt_ids: list[int], params: SamplingParams):
@@ -123,13 +38,6 @@ def reference(served_args: dict, gguf: Path, prompt_ids: list[int], params: Samp
     req = engine.add_request(prompt_ids, params)
     engine.run()
     return req.out
-
-
-def error_of(exc: openai.APIStatusError) -> dict:
-    body = exc.response.json()
-    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
-    assert "Traceback" not in exc.response.text
-    return body["error"]
 
 
 @pytest.fixture(scope="module")
@@ -506,40 +414,13 @@ def test_health_is_503_when_the_engine_stopped(gguf):
 
 
 # ------------------------------------------------------------------------------ tieredkv serve
-def _start_cli(args: list[str], log: Path, timeout: float = 120) -> tuple[subprocess.Popen, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "tieredkv.cli", "serve", "--port", "0", *args], stdout=f,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO, env=env)
-    deadline = time.monotonic() + timeout
-    while True:
-        text = log.read_text(errors="replace")
-        for line in text.splitlines():
-            if "tieredkv serve: listening on " in line:
-                return proc, line.split("listening on ", 1)[1].strip()
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill() if proc.poll() is None else None
-            raise AssertionError(f"tieredkv serve did not start:\n{text}")
-        time.sleep(0.1)
-
-
-def _stop(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-        raise
-
-
 def test_cli_serve_end_to_end(gguf, tmp_path):
     """``tieredkv serve`` as users run it: a chat, a stream, then SIGTERM while a stream is in
     flight — the stream still completes (graceful drain) and the process exits 0."""
     log = tmp_path / "serve.log"
-    proc, url = _start_cli(["--model", str(gguf), "--kv-budget", "25%", "--max-model-len", str(MAX_LEN),
-                            "--max-num-seqs", "8", "--api-key", "k", "--log-level", "warning"], log)
+    proc, url = start_cli(["--model", str(gguf), "--kv-budget", "25%", "--max-model-len", str(MAX_LEN),
+                           "--max-num-seqs", "8", "--api-key", "k", "--log-level", "warning",
+                           "--shutdown-timeout", "120"], log)
     try:
         assert url.startswith("http://127.0.0.1:")
         client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=60)
@@ -553,11 +434,11 @@ def test_cli_serve_end_to_end(gguf, tmp_path):
         proc.send_signal(signal.SIGTERM)
         rest = list(stream)
         assert (first.choices + rest[-1].choices)[-1].finish_reason == "length"
-        assert proc.wait(30) == 0
+        assert proc.wait(60) == 0
         text = log.read_text()
         assert "stopped (SIGTERM)" in text and "Traceback" not in text
     finally:
-        _stop(proc)
+        stop_cli(proc)
 
 
 def test_cli_serve_refuses_a_bad_port():
@@ -577,7 +458,7 @@ def test_cli_serve_smollm(smollm, tmp_path):
     in-process engine's tokens under the same settings."""
     args = EngineArgs(kv={"device_budget": "25%"}, scheduler={"max_model_len": 2048, "max_num_seqs": 8})
     log = tmp_path / "serve.log"
-    proc, url = _start_cli(["--kv-budget", "25%", "--max-model-len", "2048", "--max-num-seqs", "8"], log, 600)
+    proc, url = start_cli(["--kv-budget", "25%", "--max-model-len", "2048", "--max-num-seqs", "8"], log, 600)
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
         name = client.models.list().data[0].id
@@ -595,4 +476,4 @@ def test_cli_serve_smollm(smollm, tmp_path):
                                                      stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
     finally:
-        assert _stop(proc) == 0
+        assert stop_cli(proc) == 0

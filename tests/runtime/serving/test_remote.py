@@ -1,7 +1,9 @@
 """The remote KV tier on a real redis-server: a second replica reads the prefix pages the
 first wrote and gives the same tokens; missing, evicted, corrupt and truncated entries fall
-back to recompute (counted); Redis down or killed mid-run skips the tier and serving goes
-on; different layouts and salts never share; the cache's invariants hold throughout."""
+back to recompute (counted); an entry copied under another prompt's or another layout's key
+is refused, and with a shared secret a writer without it cannot forge one; Redis down or
+killed mid-run skips the tier and serving goes on; different layouts and salts never share;
+the cache's invariants hold throughout."""
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from tieredkv.errors import ConfigError
 from tieredkv.runtime.sampling import SamplingParams
 from tieredkv.runtime.serving import Engine, PrefixConfig, SchedulerConfig
 from tieredkv.runtime.serving.deploy import EngineArgs
-from tieredkv.runtime.serving.remote import RemoteConfig
+from tieredkv.runtime.serving.remote import SECRET_ENV, RemoteConfig
 from tieredkv.runtime.tiered.cache import TieredKVCache
 from tieredkv.runtime.tiered.config import TieredKVConfig
 
@@ -35,13 +37,14 @@ def url(redis_server):
     return redis_server.url
 
 
-def engine(url: str | None, *, page=PAGE, device_tokens=160, warm_codec=None, kv_dtype=None, **remote) -> Engine:
+def engine(url: str | None, *, page=PAGE, device_tokens=160, warm_codec=None, kv_dtype=None, model=MODEL,
+           **remote) -> Engine:
     token_bytes = SPEC.token_bytes_per_layer * SPEC.num_layers
     cfg = TieredKVConfig(page_size=page, device_budget=f"{device_tokens * token_bytes}B", attention_budget=10 ** 6,
                          sink_tokens=4, recent_tokens=16, staging_pages=2, warm_codec=warm_codec, kv_dtype=kv_dtype)
     sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=32)
     rc = RemoteConfig(url=url, **{"timeout": 0.3, **remote}) if url else None
-    return Engine(MODEL, TieredKVCache(SPEC, cfg), scheduler=sched, prefix=PrefixConfig(), remote=rc,
+    return Engine(model, TieredKVCache(SPEC, cfg), scheduler=sched, prefix=PrefixConfig(), remote=rc,
                   on_error="raise")
 
 
@@ -90,7 +93,7 @@ def test_entries_carry_a_checksum_and_the_warm_codec_compresses_them(url, redis_
     serve(raw, p)
     rq = serve(packed, p)
     key = keys_of(packed, rq)[0]
-    assert len(redis_server.client.get(key)) == 37 + packed.remote.entry_bytes
+    assert len(redis_server.client.get(key)) == packed.remote.header_bytes(rq.chain.keys[0]) + packed.remote.entry_bytes
     assert packed.remote.entry_bytes * 2 < raw.remote.entry_bytes  # int4 with scales, on the tiny shape
     # a replica with the same codec reads the compressed pages
     other = engine(url, warm_codec="int4", namespace="packed")
@@ -193,3 +196,86 @@ def test_bad_remote_settings_are_typed_errors():
         EngineArgs(remote={"url": "redis://127.0.0.1:1/0"}).build_engine(MODEL, None)
     with pytest.raises(ConfigError, match="prefix"):
         EngineArgs(kv={}, prefix="off", remote={"url": "redis://127.0.0.1:1/0"}).build_engine(MODEL, None)
+
+
+def payload_of(e: Engine, redis_server, chain_key: bytes) -> bytes:
+    """The page bytes of a stored entry (what anyone who can read Redis sees)."""
+    return redis_server.client.get(e.remote.key(chain_key))[e.remote.header_bytes(chain_key):]
+
+
+def test_an_entry_copied_under_another_prompts_key_is_refused(url, redis_server):
+    """A valid entry of prompt A stored under prompt B's chain key (same layout: a poisoning
+    writer, or a key migration gone wrong) is corrupt; B is computed, never continued from A."""
+    pa, pb = prompt(seed=7), prompt(seed=8)
+    a = engine(url)
+    ra, rb = serve(a, pa), serve(a, pb)
+    key_a, key_b = ra.chain.keys[0], rb.chain.keys[0]
+    redis_server.client.set(a.remote.key(key_b), redis_server.client.get(a.remote.key(key_a)))
+    c = engine(url)
+    assert serve(c, pb).out.token_ids == serve(engine(None), pb).out.token_ids
+    assert c.remote.stats.corrupt_pages == 1 and c.remote.stats.hit_pages == 0
+
+
+def test_an_entry_of_another_layout_copied_under_this_layouts_key_is_refused(url, redis_server):
+    """Same shapes, other weights (another fingerprint, so another layout): the entry's bytes
+    fit, but it names its own layout and is refused."""
+    p = prompt(seed=11)
+    other_model = tiny_model(seed=6)
+    x, y = engine(url, model=other_model), engine(url)
+    rx = serve(x, p)
+    assert x.remote.layout != y.remote.layout and x.remote.entry_bytes == y.remote.entry_bytes
+    for k in rx.chain.keys[: (len(p) - 1) // PAGE]:
+        redis_server.client.set(y.remote.key(k), redis_server.client.get(x.remote.key(k)))
+    ry = serve(y, p)
+    assert ry.out.token_ids == serve(engine(None), p).out.token_ids
+    assert y.remote.stats.corrupt_pages == 1 and y.remote.stats.hit_pages == 0
+
+
+def test_with_a_shared_secret_a_writer_without_it_cannot_forge_entries(url, redis_server):
+    secret, p, q = "k" * 32, prompt(seed=9), prompt(seed=10)
+    usable = (len(p) - 1) // PAGE
+    a = engine(url, secret=secret)
+    rp, rq = serve(a, p), serve(a, q)
+    b = engine(url, secret=secret)
+    assert serve(b, p).out.token_ids == rp.out.token_ids and b.remote.stats.hit_pages == usable
+    assert b.remote.stats.corrupt_pages == 0
+    # a writer who can read and write Redis, knows the format but not the key: q's first page
+    # signed with a key of its own (or a plain SHA-256), stored under p's first key
+    forger = engine(None)
+    forger_keyed = engine(url, secret="w" * 32)
+    assert forger_keyed.remote.layout == a.remote.layout  # the key is no part of the layout
+    stolen = payload_of(a, redis_server, rq.chain.keys[0])
+    redis_server.client.set(a.remote.key(rp.chain.keys[0]), forger_keyed.remote.entry(rp.chain.keys[0], stolen))
+    c = engine(url, secret=secret)
+    assert serve(c, p).out.token_ids == serve(forger, p).out.token_ids
+    assert c.remote.stats.corrupt_pages == 1 and c.remote.stats.hit_pages == 0
+    # without a secret the checksum is integrity only: the same forgery, made with the public
+    # format under an unkeyed replica's key, is accepted (docs/serving.md: the threat model)
+    plain = engine(url)
+    rq_plain = serve(plain, q)
+    stolen = payload_of(plain, redis_server, rq_plain.chain.keys[0])
+    serve(plain, p)
+    redis_server.client.set(plain.remote.key(rp.chain.keys[0]), plain.remote.entry(rp.chain.keys[0], stolen))
+    fooled = engine(url)
+    serve(fooled, p)
+    assert fooled.remote.stats.hit_pages == usable and fooled.remote.stats.corrupt_pages == 0
+
+
+def test_the_secret_from_the_environment_and_its_checks(url, monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, "e" * 20)
+    from_env = engine(url)
+    monkeypatch.delenv(SECRET_ENV)
+    explicit, unkeyed = engine(url, secret="e" * 20), engine(url)
+    assert from_env.remote.layout == explicit.remote.layout != unkeyed.remote.layout
+    p = prompt(seed=12)
+    serve(from_env, p)
+    serve(explicit, p)
+    assert explicit.remote.stats.hit_pages == (len(p) - 1) // PAGE
+    assert "e" * 20 not in repr(RemoteConfig(url=url, secret="e" * 20))
+    for bad in ("short", 12345):
+        with pytest.raises(ConfigError, match="at least 16 characters") as e:
+            RemoteConfig(url=url, secret=bad)
+        assert "short" not in str(e.value)
+    monkeypatch.setenv(SECRET_ENV, "tooshort")
+    with pytest.raises(ConfigError, match=SECRET_ENV):
+        engine(url)
