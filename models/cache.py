@@ -245,18 +245,30 @@ class KVCache(abc.ABC):
         storage dtype)."""
         raise NotImplementedError(f"{type(self).__name__} has no pages to read")
 
+    @property
+    def warm_codec(self) -> tuple[str, object] | None:
+        """``(name, codec)`` of the codec the cache keeps warm pages in (``encode_pages`` /
+        ``decode_pages``, docs/codec.md), which the remote tier may store pages in; None
+        when it keeps none."""
+        return None
+
     def load_pages(self, seq_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append whole pages of K, V ([L, n, KVH, P, D] each) to a sequence whose length is a
-        multiple of the page size: its next ``n * P`` tokens, written as a step writes them."""
+        multiple of the page size: its next ``n * P`` tokens, written as steps write them (as
+        many pages per step as ``max_step_tokens`` allows)."""
         n, P = k.shape[1], self.page_size
         if self.length(seq_id) % P:
             raise ValueError(f"load_pages: sequence {seq_id} ends inside a page ({self.length(seq_id)} tokens)")
-        step = self.begin_step([seq_id], n * P)
-        for layer in range(self.spec.num_layers):
-            # [n, KVH, P, D] -> [1, KVH, n * P, D]: the step's new tokens in order
-            self.write(step, layer, k[layer].permute(1, 0, 2, 3).reshape(1, k.shape[2], n * P, -1),
-                       v[layer].permute(1, 0, 2, 3).reshape(1, v.shape[2], n * P, -1))
-        self.end_step(step)
+        limit = self.max_step_tokens()
+        per_step = n if limit is None else max(1, limit // P)
+        for lo in range(0, n, per_step):
+            m = min(per_step, n - lo)
+            step = self.begin_step([seq_id], m * P)
+            for layer in range(self.spec.num_layers):
+                # [m, KVH, P, D] -> [1, KVH, m * P, D]: the step's new tokens in order
+                self.write(step, layer, k[layer, lo:lo + m].permute(1, 0, 2, 3).reshape(1, k.shape[2], m * P, -1),
+                           v[layer, lo:lo + m].permute(1, 0, 2, 3).reshape(1, v.shape[2], m * P, -1))
+            self.end_step(step)
 
     def write(self, step: Step, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the open step's new K/V of one layer ([B, KVH, T, D]) without attending."""

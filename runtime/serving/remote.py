@@ -1,7 +1,7 @@
 """The remote KV tier: prefix pages shared by replicas through Redis.
 
 A fourth, optional tier below the device, host and disk tiers, for *prefix pages only*
-(DESIGN.md, "Serving"). When a replica indexes a full page in its prefix index it also
+(docs/serving.md, "The remote KV tier"). When a replica indexes a full page in its prefix index it also
 writes the page — every layer's K and V, encoded with the cache's warm codec when one is
 configured (``codec="warm"``), raw otherwise — to Redis under the page's chain key. A replica
 admitting a request whose first pages its own index lacks asks Redis for the following
@@ -169,7 +169,8 @@ def model_fingerprint(model) -> str:
 
 class RemoteTier:
     """One replica's client of the shared tier (see the module docstring). ``cache``: the
-    engine's TieredKVCache; ``model``: for the weights' fingerprint."""
+    engine's cache (through the KV interface: ``read_pages``, ``load_pages``, ``warm_codec``);
+    ``model``: for the weights' fingerprint."""
 
     def __init__(self, config: RemoteConfig, cache, model) -> None:
         import redis
@@ -180,11 +181,10 @@ class RemoteTier:
         self.client = redis.Redis.from_url(config.url, socket_timeout=config.timeout,
                                            socket_connect_timeout=config.timeout, health_check_interval=0)
         spec = cache.spec
-        self.L, self.kvh, self.P, self.D = spec.num_layers, spec.num_kv_heads, cache.config.page_size, spec.head_dim
+        self.L, self.kvh, self.P, self.D = spec.num_layers, spec.num_kv_heads, cache.page_size, spec.head_dim
         self.dtype = spec.dtype
-        warm = cache.mgr.warm
-        self.codec = warm.codec if (warm is not None and config.codec == "warm") else None
-        codec_name = "raw" if self.codec is None else cache.config.warm.codec
+        warm = cache.warm_codec if config.codec == "warm" else None
+        codec_name, self.codec = ("raw", None) if warm is None else warm
         self._secret = config.resolved_secret()
         self.auth = AUTH_SHA256 if self._secret is None else AUTH_HMAC
         auth_name = "sha256" if self._secret is None else "hmac-sha256"
@@ -334,24 +334,11 @@ class RemoteTier:
 
     def load_into(self, seq_id: int, pages: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
         """Write fetched pages after sequence ``seq_id``'s tokens (a page boundary) through the
-        cache's write path, as many per step as the cache takes. Returns the tokens written."""
-        cache, P = self.cache, self.P
-        limit = cache.max_step_tokens()
-        per_step = len(pages) if limit is None else max(1, limit // P)
-        written = 0
-        for lo in range(0, len(pages), per_step):
-            chunk = pages[lo: lo + per_step]
-            k = torch.stack([p[0] for p in chunk])  # [n, L, KVH, P, D]
-            v = torch.stack([p[1] for p in chunk])
-            n = len(chunk)
-            step = cache.begin_step([seq_id], n * P)
-            for layer in range(self.L):
-                kl = k[:, layer].permute(1, 0, 2, 3).reshape(1, self.kvh, n * P, self.D)
-                vl = v[:, layer].permute(1, 0, 2, 3).reshape(1, self.kvh, n * P, self.D)
-                cache.store(layer, kl, vl)
-            cache.end_step(step)
-            written += n * P
-        return written
+        cache's write path (``load_pages``). Returns the tokens written."""
+        k = torch.stack([p[0] for p in pages], dim=1)  # [L, n, KVH, P, D]
+        v = torch.stack([p[1] for p in pages], dim=1)
+        self.cache.load_pages(seq_id, k, v)
+        return len(pages) * self.P
 
     # ------------------------------------------------------------------ writes
     def publish(self, chain_keys: Sequence[bytes], records: Sequence[int]) -> None:
@@ -365,13 +352,7 @@ class RemoteTier:
             with self._lock:
                 self.stats.dropped_writes += len(todo)
             return
-        mgr = self.cache.mgr
-        recs = torch.tensor([r for _, r in todo], dtype=torch.long)
-        layers = torch.arange(self.L).repeat_interleave(len(todo))
-        k, v = mgr.read_pages(layers, recs.repeat(self.L), self.dtype, exact=True)  # [L * n, KVH, P, D]
-        k, v = mgr.transfers.to_host(k, v, pages=len(recs) * self.L)  # one copy down when the device tier is a GPU
-        k = k.view(self.L, len(todo), self.kvh, self.P, self.D)
-        v = v.view(self.L, len(todo), self.kvh, self.P, self.D)
+        k, v = self.cache.read_pages([rec for _, rec in todo])  # [L, n, KVH, P, D], host memory
         for i, (key, _) in enumerate(todo):
             try:
                 self._queue.put_nowait((key, self._payload(k[:, i], v[:, i])))

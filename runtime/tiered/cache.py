@@ -233,6 +233,11 @@ class TieredKVCache(KVCache):
     def write(self, step: Step, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.store(layer, k, v)
 
+    @property
+    def warm_codec(self) -> tuple[str, object] | None:
+        warm = self.mgr.warm
+        return None if warm is None else (self.config.warm.codec, warm.codec)
+
     def check(self) -> None:
         self.mgr.check_invariants()
 
