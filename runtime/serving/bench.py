@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return drive(engine, sessions, arm=arm, workload=workload, timeout_s=args.timeout, log=log, **kw)
         finally:
-            engine.cache.close() if hasattr(engine.cache, "close") else None
+            engine.cache.close()
 
     def add_quality(results: list[RunResult]) -> None:
         ref = next((r for name in ("contiguous", "paged-recompute", "paged-reserve") for r in results
