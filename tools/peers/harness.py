@@ -141,18 +141,25 @@ def kv_bytes_per_token(checkpoint: Path, dtype_bytes: int = 4) -> int:
 
 
 # ------------------------------------------------------------------------------ processes
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (Linux /proc), children first."""
-    children: dict[int, list[int]] = {}
+def _processes() -> dict[int, tuple[int, int, str]]:
+    """Every process (Linux /proc): pid -> (parent pid, process group, state)."""
+    out = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
+        out[int(entry.name)] = (int(fields[1]), int(fields[2]), fields[0])
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``, children first."""
+    children: dict[int, list[int]] = {}
+    for p, (ppid, _, _) in _processes().items():
+        children.setdefault(ppid, []).append(p)
     out, todo = [], list(children.get(pid, []))
     while todo:
         p = todo.pop(0)
@@ -162,11 +169,14 @@ def descendants(pid: int) -> list[int]:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    state = _processes().get(pid)
+    return state is not None and state[2] != "Z"
+
+
+def _left(pids: list[int], group: int) -> list[int]:
+    """Which of ``pids``, and of the processes of ``group``, are still running (not zombies)."""
+    procs = _processes()
+    return [p for p, (_, pgrp, state) in procs.items() if state != "Z" and (p in pids or pgrp == group)]
 
 
 class Server:
@@ -182,6 +192,7 @@ class Server:
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, cwd=str(log_path.parent))
         self.pid = self.proc.pid
+        self._stopped = False
 
     def log_tail(self, chars: int = 4000) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()
@@ -192,6 +203,7 @@ class Server:
         t0 = time.monotonic()
         while True:
             if self.proc.poll() is not None:
+                self.stop()  # what it started may outlive it
                 raise ServerStartError(f"{self.name} exited with status {self.proc.returncode} before it was "
                                        f"healthy; log {self.log_path}:\n{self.log_tail()}")
             try:
@@ -207,6 +219,9 @@ class Server:
             time.sleep(1.0)
 
     def stop(self, timeout: float = 30.0) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
         pids = [self.pid] + descendants(self.pid)
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in pids:
@@ -221,10 +236,10 @@ class Server:
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 self.proc.poll()
-                if not any(_alive(p) for p in pids):
+                if not _left(pids, self.pid):
                     break
-                time.sleep(0.2)
-            if not any(_alive(p) for p in pids):
+                time.sleep(0.1)
+            if not _left(pids, self.pid):
                 break
         self.proc.wait()
         self._log.close()
@@ -242,7 +257,9 @@ class ServeConfig:
     """What both servers are started with. ``kv_bytes``: the KV cache in bytes (vLLM's whole
     cache; tieredkv's device tier, its host tier unbounded); ``threads``: compute threads of
     each engine (vLLM's OpenMP threads, bound to cores ``0..threads-1``, its API server on the
-    rest; tieredkv's torch threads via ``OMP_NUM_THREADS``)."""
+    rest; tieredkv's torch threads via ``OMP_NUM_THREADS``); ``tieredkv_cache``: ``tiered``
+    (``--kv-budget <kv_bytes>B`` and ``tieredkv_args``) or ``paged`` (the plain paged cache
+    holding the same bytes, ``--cache-tokens``)."""
 
     kv_bytes: int = 16384 * 46080
     max_model_len: int = 8192
@@ -250,6 +267,7 @@ class ServeConfig:
     max_num_batched_tokens: int = 2048
     threads: int = 1
     served_name: str = SERVED_NAME
+    tieredkv_cache: str = "tiered"
     tieredkv_args: tuple[str, ...] = ("--mode", "exact", "--attention-budget", "unlimited", "--warm-codec", "off")
     vllm_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -259,6 +277,8 @@ class ServeConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"ServeConfig.{name}: expected a positive integer, got {v!r}")
+        if self.tieredkv_cache not in ("tiered", "paged"):
+            raise ConfigError(f"ServeConfig.tieredkv_cache: expected 'tiered' or 'paged', got {self.tieredkv_cache!r}")
         if self.threads > (os.cpu_count() or 1):
             raise ConfigError(f"ServeConfig.threads: {self.threads} > the {os.cpu_count()} cores of this machine")
 
@@ -283,11 +303,14 @@ def vllm_command(peer: Peer, checkpoint: Path, port: int, cfg: ServeConfig) -> t
 
 
 def tieredkv_command(checkpoint: Path, port: int, cfg: ServeConfig) -> tuple[list[str], dict[str, str]]:
+    if cfg.tieredkv_cache == "tiered":
+        cache = ["--kv-budget", f"{cfg.kv_bytes}B", *cfg.tieredkv_args]
+    else:
+        cache = ["--cache-tokens", str(cfg.kv_bytes // kv_bytes_per_token(checkpoint))]
     args = [sys.executable, "-m", "tieredkv.cli", "serve", "--model", str(checkpoint),
             "--served-model-name", cfg.served_name, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "float32", "--kv-budget", f"{cfg.kv_bytes}B", "--max-model-len", str(cfg.max_model_len),
-            "--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
-            *cfg.tieredkv_args]
+            "--dtype", "float32", "--max-model-len", str(cfg.max_model_len), "--max-num-seqs", str(cfg.max_num_seqs),
+            "--max-num-batched-tokens", str(cfg.max_num_batched_tokens), *cache]
     env = _base_env(cfg)
     env["OMP_NUM_THREADS"] = str(cfg.threads)
     return args, env

@@ -333,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=1, help="compute threads of each server")
     ap.add_argument("--tieredkv-args", default=" ".join(harness.ServeConfig.tieredkv_args),
-                    help="extra `tieredkv serve` flags (one string)")
+                    help="the tiered cache's `tieredkv serve` flags (one string)")
+    ap.add_argument("--tieredkv-cache", choices=["tiered", "paged"], default="tiered",
+                    help="tieredkv on its tiered cache (--kv-budget) or its plain paged cache of the same bytes")
     ap.add_argument("--sessions-per-client", type=int, default=LoadConfig.sessions_per_client)
     ap.add_argument("--turns", type=int, default=LoadConfig.turns)
     ap.add_argument("--system-tokens", type=int, default=LoadConfig.system_tokens)
@@ -345,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--longdoc-tokens", type=int, nargs=2, default=[6000, 7000])
     ap.add_argument("--longdoc-docs", type=int, default=4)
     ap.add_argument("--longdoc-clients", type=int, default=2)
+    ap.add_argument("--longdoc-max-num-seqs", type=int, default=8,
+                    help="the tiered budget holds every running sequence's hot window: 8 fit 4,096 tokens")
     ap.add_argument("--timeout", type=float, default=900.0, help="per request, seconds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("results/peers/load"))
@@ -364,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     serve = harness.ServeConfig(kv_bytes=args.kv_bytes, max_model_len=args.max_model_len,
                                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                threads=args.threads, tieredkv_args=tuple(shlex.split(args.tieredkv_args)))
+                                threads=args.threads, tieredkv_args=tuple(shlex.split(args.tieredkv_args)),
+                                tieredkv_cache=args.tieredkv_cache)
     load = LoadConfig(sessions_per_client=args.sessions_per_client, turns=args.turns,
                       system_tokens=args.system_tokens, max_new_tokens=args.max_new_tokens,
                       doc_tokens=tuple(args.doc_tokens))
@@ -395,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
                 report["rows"].append(run_one(ctx, kind, workload, clients, serve, load, seed))
                 save()
     if args.longdoc:
-        small = replace(serve, kv_bytes=args.longdoc_kv_bytes)
+        small = replace(serve, kv_bytes=args.longdoc_kv_bytes, max_num_seqs=args.longdoc_max_num_seqs)
         ld = replace(load, doc_tokens=tuple(args.longdoc_tokens), questions=1,
                      sessions_per_client=math.ceil(args.longdoc_docs / args.longdoc_clients))
         report["longdoc"] = longdoc(replace(ctx, out=args.out / "longdoc"), args.servers, small, ld,
