@@ -36,8 +36,9 @@ had no failed request and ITL p99 <= ``--slo-itl-p99``.
 ``--longdoc``: documents whose KV exceeds a small budget (``--longdoc-kv-bytes``, default
 4,096 tokens' worth) at a served length of 8,192: vLLM is first started at that served length
 (it refuses to start when one sequence cannot fit its cache: the message is recorded), then
-at the longest length its cache holds, where it answers the documents 400; tieredkv serves
-them from its host tier.
+at the longest length its message says the cache holds, where it answers the documents 400;
+tieredkv serves them at the same budget from its host tier (``--longdoc-max-num-seqs``, 8:
+the device tier must be able to hold every running sequence's hot window).
 
     python tools/peers/load.py --workloads chat docs unique --clients 1 2 4 8 16 \\
         [--servers tieredkv vllm] [--kv-bytes 754974720] [--slo-itl-p99 1.0] [--longdoc] \\
@@ -159,6 +160,15 @@ def read_aiperf(out: Path) -> dict:
     }
 
 
+def read_records(out: Path) -> dict:
+    """Requests done and failed from aiperf's per-request records (``profile_export.jsonl``),
+    which it writes even when every request failed and it exports no summary."""
+    records = [json.loads(line) for line in (out / "profile_export.jsonl").read_text().splitlines() if line.strip()]
+    errors = [r["error"] for r in records if r.get("error")]
+    return {"done": len(records) - len(errors), "failed": len(errors), "error_codes": sorted({str(e.get("code")) for e in errors}),
+            "error_sample": errors[0].get("message", "")[:300] if errors else None}
+
+
 # ------------------------------------------------------------------------------ /metrics
 def scrape(url: str) -> dict[str, float]:
     """Prometheus counters of interest, summed over their labels."""
@@ -231,10 +241,12 @@ def run_one(ctx: Context, kind: str, workload: str, clients: int, serve: harness
                                         timeout=limit).returncode
         except subprocess.TimeoutExpired:
             status = f"killed after {limit:.0f} s"
-        if status != 0 or not (where / "aiperf" / "profile_export_aiperf.json").is_file():
-            row["error"] = f"aiperf exited with status {status} (log {where / 'aiperf.log'})"
-        else:
+        if (where / "aiperf" / "profile_export_aiperf.json").is_file():
             row.update(read_aiperf(where / "aiperf"))
+        elif (where / "aiperf" / "profile_export.jsonl").is_file():  # every request failed: no summary
+            row.update(read_records(where / "aiperf"))
+        else:
+            row["error"] = f"aiperf exited with status {status} (log {where / 'aiperf.log'})"
         row.update(server_figures(kind, before, scrape(server.url)))
     row["wall_s"] = round(time.monotonic() - t0, 1)
     return row
@@ -245,9 +257,18 @@ def _token_bytes(ctx: Context) -> int:
 
 
 def _start_error(log: Path) -> str | None:
-    """The line of a server log that says why it would not start."""
+    """The line of a server log that says why it would not start (the root cause, not the
+    wrapper errors after it)."""
     lines = [ln for ln in log.read_text(errors="replace").splitlines() if "Error" in ln or "error:" in ln]
-    return lines[-1][-400:] if lines else None
+    cause = [ln for ln in lines if "ValueError" in ln or "error:" in ln]
+    picked = cause or lines
+    return picked[-1].strip()[-500:] if picked else None
+
+
+def vllm_longest(log: Path) -> int | None:
+    """The longest served length vLLM said its cache holds, when it refused to start."""
+    m = re.search(r"estimated maximum model length is (\d+)", log.read_text(errors="replace"))
+    return int(m.group(1)) if m else None
 
 
 def within_slo(row: dict, slo: float) -> bool:
@@ -308,15 +329,17 @@ def markdown(rows: list[dict], summary: list[dict], slo: float, header: str) -> 
 def longdoc(ctx: Context, servers: list[str], serve: harness.ServeConfig, load: LoadConfig, clients: int,
             seed: int) -> list[dict]:
     """Documents past a small KV budget: vLLM at the same served length (refuses to start),
-    then at the longest its cache holds; tieredkv at the same served length."""
+    then at the longest it says its cache holds; tieredkv at the same served length."""
     rows = []
     for kind in servers:
         row = run_one(ctx, kind, "longdoc", clients, serve, load, seed)
         rows.append(row)
         if kind == "vllm" and not row.get("started"):
-            cache_tokens = serve.kv_bytes // _token_bytes(ctx)
-            clipped = replace(serve, max_model_len=cache_tokens,
-                              max_num_batched_tokens=min(serve.max_num_batched_tokens, cache_tokens))
+            longest = vllm_longest(ctx.out / f"{kind}-longdoc-c{clients}" / "vllm.log")
+            if longest is None:
+                continue
+            clipped = replace(serve, max_model_len=longest,
+                              max_num_batched_tokens=min(serve.max_num_batched_tokens, longest))
             rows.append(run_one(replace(ctx, out=ctx.out / "clipped"), kind, "longdoc", clients, clipped, load,
                                 seed))
     return rows
@@ -389,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
                                     f"past a KV budget of {args.longdoc_kv_bytes} bytes")
             md += "\n" + "\n".join(f"- {r['server']} (served length {r['max_model_len']}): did not start: "
                                    f"{r.get('start_error')}" for r in report["longdoc"] if not r.get("started"))
+            md += "\n" + "\n".join(f"- {r['server']} (served length {r['max_model_len']}): {r['failed']} of "
+                                   f"{r['done'] + r['failed']} requests failed, HTTP {', '.join(r['error_codes'])}: {r['error_sample']}"
+                                   for r in report["longdoc"] if r.get("error_sample"))
         (args.out / "results.json").write_text(json.dumps(report, indent=1, default=str))
         (args.out / "table.md").write_text(md + "\n")
 
