@@ -222,6 +222,23 @@ def test_max_concurrency_is_the_highest_run_within_the_slo():
     assert got == {"tieredkv": (4, 4.0), "vllm": (1, 1.0)}
 
 
+def test_runs_whose_every_request_failed_and_refused_starts_are_read(tmp_path):
+    """aiperf writes no summary when every request failed: the records give the failures; a
+    vLLM log that refused to start gives the root cause and the longest length it holds."""
+    ok = {"metadata": {"session_num": 0}, "metrics": {"request_latency": {"value": 1.0}}}
+    bad = {"metadata": {"session_num": 1}, "metrics": {},
+           "error": {"code": 400, "type": "Bad Request", "message": "maximum context length is 3968 tokens"}}
+    (tmp_path / "profile_export.jsonl").write_text(json.dumps(ok) + "\n" + json.dumps(bad) + "\n")
+    got = load.read_records(tmp_path)
+    assert (got["done"], got["failed"], got["error_codes"]) == (1, 1, ["400"]) and "3968" in got["error_sample"]
+    log = tmp_path / "vllm.log"
+    log.write_text("INFO starting\n(EngineCore) ERROR ValueError: To serve at least one request with the model's "
+                   "max seq len (8192), ... the estimated maximum model length is 3968. Try ...\n"
+                   "RuntimeError: Engine core initialization failed. See root cause above.\n")
+    assert load._start_error(log).startswith("(EngineCore) ERROR ValueError: To serve")
+    assert load.vllm_longest(log) == 3968
+
+
 # ------------------------------------------------------------------------------ real servers
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):

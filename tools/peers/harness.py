@@ -322,12 +322,21 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+def _healthy(server: Server, timeout: float) -> float:
+    """``wait_healthy``, stopping the server on any way out but health (Ctrl-C included)."""
+    try:
+        return server.wait_healthy(timeout)
+    except BaseException:
+        server.stop()
+        raise
+
+
 def start_vllm(peer: Peer, checkpoint: Path, cfg: ServeConfig, logs: Path, *, timeout: float = 900) -> Server:
     """vLLM's OpenAI server, healthy (its first start compiles the model: minutes on 2 cores)."""
     port = free_port()
     args, env = vllm_command(peer, checkpoint, port, cfg)
     server = Server("vllm", args, port=port, log_path=logs / "vllm.log", env=env)
-    took = server.wait_healthy(timeout)
+    took = _healthy(server, timeout)
     _log(f"vllm: healthy on {server.url} after {took:.0f} s (pid {server.pid}, log {server.log_path})")
     return server
 
@@ -337,7 +346,7 @@ def start_tieredkv(checkpoint: Path, cfg: ServeConfig, logs: Path, *, timeout: f
     port = free_port()
     args, env = tieredkv_command(checkpoint, port, cfg)
     server = Server(name, args, port=port, log_path=logs / f"{name}.log", env=env)
-    took = server.wait_healthy(timeout)
+    took = _healthy(server, timeout)
     _log(f"{name}: healthy on {server.url} after {took:.0f} s (pid {server.pid}, log {server.log_path})")
     return server
 
@@ -375,12 +384,20 @@ def main(argv: list[str] | None = None) -> int:
         peer = find_peer()
         cfg = ServeConfig(kv_bytes=args.kv_bytes, threads=args.threads)
         logs = root / "logs"
-        with start_tieredkv(checkpoint, cfg, logs) as tkv, start_vllm(peer, checkpoint, cfg, logs) as vllm:
-            print(f"tieredkv {tkv.url}  vllm {vllm.url}  model {cfg.served_name}  (Ctrl-C stops both)", flush=True)
-            try:
-                signal.pause()
-            except KeyboardInterrupt:
-                pass
+
+        def stop_on(sig, frame) -> None:
+            raise KeyboardInterrupt(signal.Signals(sig).name)
+
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGINT may arrive ignored (a background job)
+            signal.signal(sig, stop_on)
+        try:
+            with start_tieredkv(checkpoint, cfg, logs) as tkv, start_vllm(peer, checkpoint, cfg, logs) as vllm:
+                print(f"tieredkv {tkv.url}  vllm {vllm.url}  model {cfg.served_name}  (Ctrl-C or SIGTERM stops "
+                      "both)", flush=True)
+                while True:
+                    signal.pause()
+        except KeyboardInterrupt:
+            _log("stopped both servers")
         return 0
     except PeerUnavailable as exc:
         print(f"SKIP: {exc}", file=sys.stderr)
