@@ -19,7 +19,8 @@ Per layer: RMSNorm -> Q/K/V Gemm -> RoPE -> KVAppend into the layer's pools ->
 [ImportanceScore on the last new token's query -> SelectPages] -> TieredAttention over
 the updated pools -> O Gemm -> residual -> RMSNorm -> SwiGLU -> residual; then the final
 norm and the LM head (tied embeddings reuse the embedding initializer). Weights are
-float32 initializers named as in the model's state dict; RoPE uses the model's own
+initializers of the graph's precision (``StepGraphOptions.precision``: float32, or float16 with
+the pools and activations; see ``build_step_graph``) named as in the model's state dict; RoPE uses the model's own
 ``inv_freq`` (config scaling, GGUF frequency factors). The ImportanceScore weights (the
 selection mix) are a build option, recorded in the engine's config.json.
 
