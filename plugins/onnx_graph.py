@@ -68,6 +68,3 @@ class OnnxGraph:
 
     def unsqueeze(self, x: str, *axes: int) -> str:
         return self.op("Unsqueeze", x, self.const(list(axes), TensorProto.INT64))
-
-    def cast(self, x: str, to: int) -> str:
-        return self.op("Cast", x, to=to)

@@ -303,5 +303,4 @@ def make_tensorrt(version: str, *, library_creators: tuple[str, ...] = ()) -> ty
             return b"stand-in plan"
 
     trt.Builder = Builder
-    trt.registry = registry
     return trt

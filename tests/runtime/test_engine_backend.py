@@ -273,6 +273,9 @@ def test_engine_dir_errors(built, tmp_path):
     (bad / "config.json").write_text(json.dumps(dict(cfg, format_version=1)))
     with pytest.raises(EngineError, match="version 1.*rebuild"):
         read_engine_dir(bad)
+    (bad / "config.json").write_text(json.dumps(dict(cfg, build=dict(cfg["build"], precision="bf16"))))
+    with pytest.raises(EngineError, match=r"build.precision 'bf16'; expected one of \['fp16', 'fp32'\]"):
+        read_engine_dir(bad)
     (bad / "config.json").write_text(json.dumps(cfg))
     (bad / "step.onnx").unlink()
     with pytest.raises(EngineError, match="step.onnx is missing"):
