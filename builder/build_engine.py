@@ -1,27 +1,33 @@
 """Build an engine directory from a Llama checkpoint.
 
     python builder/build_engine.py [--tiered-kv] [--model GGUF_FILE | HF_DIR | NAME] --output ENGINE_DIR
-        [--force] [--page-size 16] [--selection-weights 1 0 0] [--tolerance 1e-3] [--external-data]
-        [--max-batch 8 --max-context 8192 --prefill-chunk 512 --precision fp16 --plugin-library PATH]
+        [--force] [--page-size 16] [--selection-weights 1 0 0] [--precision fp16] [--tolerance T]
+        [--external-data] [--max-batch 8 --max-context 8192 --prefill-chunk 512 --max-attention-pages N
+        --plugin-library PATH]
 
 ``--model`` omitted builds the default model (SmolLM2-135M-Instruct, pulled on first use).
 ENGINE_DIR receives ``step.onnx`` (the step graph of `tieredkv.builder.export`, one graph for
 decode steps and chunked-prefill steps; with ``--tiered-kv`` it scores and selects pages
 and returns their attention mass), the tokenizer (``tokenizer/``) and ``config.json``
-(model config, tiered flag, op versions, build options, opset, date). After export the
-builder runs the graph in ONNX Runtime on random pools, pages, masks and budgets — a
-decode step and a 3-token prefill step — and compares every output with the PyTorch
-reference; over ``--tolerance`` on the logits (or any differing page selection) the build
-fails.
+(model config, tiered flag, op versions, build options, opset, date). ``--precision``
+(fp16 by default) is the dtype of the graph's weights, K/V pools and activations (fp32: the
+float32 graph). After export the builder runs the graph in ONNX Runtime on random pools,
+pages, masks and budgets — a decode step and a 3-token prefill step — and compares every
+output with the PyTorch reference (the model in the graph's dtype); over ``--tolerance`` on
+any output (or any differing page selection) the build fails.
 
 TensorRT: where ``tensorrt`` is importable the builder also builds ``step.plan`` — it loads
 the plugin library (``--plugin-library``, the tieredkv plugins built from plugins/ with
 CMake), checks the three plugin creators are registered (the parser then maps the nodes,
 which carry ``plugin_namespace`` / ``plugin_version``, to them instead of inlining their
-function bodies), enables FP16/BF16 (``--precision``) and adds two optimization profiles
-from ``--max-batch`` / ``--max-context`` / ``--prefill-chunk`` (decode: T = 1; prefill: T up
-to the chunk). Where it is not importable the build ends after the ONNX engine and says
-what was built and the command that builds the TensorRT engine on a GPU machine.
+function bodies; `tensorrt_build.check_plugin_layers` names each node that did not become
+its plugin), builds a strongly typed network (the graph's types, no precision flags; on
+TensorRT 10 and 11) with KVAppend writing the pools in place, and adds two optimization
+profiles from ``--max-batch`` / ``--max-context`` / ``--prefill-chunk`` (decode: T = 1;
+prefill: T up to the chunk). Tiered engines check first that SelectPages' TopK stays within
+TensorRT's limit (``--max-attention-pages``: 3840 pages at most). Where it is not importable
+the build ends after the ONNX engine and says what was built and the command that builds
+the TensorRT engine on a GPU machine.
 
 The directory appears atomically: everything is built in a temporary sibling that is
 renamed into place at the end; on any failure, Ctrl-C or SIGTERM nothing is left behind (a
@@ -51,6 +57,7 @@ if __package__ in (None, ""):  # run as a script from a checkout: import the ins
 from tieredkv.plugins.codec import DEFAULT_CODEC  # noqa: E402
 from tieredkv.errors import EngineBuildError, TieredKVError, short  # noqa: E402
 from tieredkv.builder.polygraphy_kit import KIT_DIR, TRTEXEC_FILE  # noqa: E402
+from tieredkv.builder.tensorrt_build import check_topk_limit, tensorrt_profiles  # noqa: E402
 from tieredkv.runtime.engine import (  # noqa: E402
     CONFIG_FILE,
     ENGINE_FORMAT,
@@ -65,6 +72,11 @@ TOKENIZER_DIR = "tokenizer"
 ENGINE_FILES = {CONFIG_FILE, STEP_GRAPH, f"{STEP_GRAPH}.data", TRT_ENGINE, TOKENIZER_DIR, KIT_DIR, TRTEXEC_FILE}
 #: the random verification batches: (tokens per sequence with the new ones, new tokens), awkward on purpose
 VERIFY_STEPS = (((45, 17, 3), 1), ((21, 9), 3))
+#: the default verification tolerance per precision (largest |output(ORT) - output(PyTorch)|): the
+#: float16 graph is compared with the model in float16 (export.model_at), which rounds at the same
+#: points; what is left is float16 rounding of sums taken in another order, which grows with the
+#: logits' size and the depth (SmolLM2: logits 0.067, new K/V 0.03 at most; docs/engine.md)
+TOLERANCES = {"fp32": 1e-3, "fp16": 0.15}
 
 
 class VerificationError(TieredKVError):
@@ -87,8 +99,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--output", required=True, type=Path, help="the engine directory to create")
     ap.add_argument("--force", action="store_true", help="replace an existing engine directory")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page (fixed in the graph; default 16)")
-    ap.add_argument("--tolerance", type=float, default=1e-3,
-                    help="largest allowed |logits(ORT) - logits(PyTorch)| in the verification (default 1e-3)")
+    ap.add_argument("--precision", choices=sorted(TOLERANCES), default="fp16",
+                    help="dtype of the graph's weights, K/V pools and activations (default fp16; fp32: the exact "
+                         "float32 graph); TensorRT builds the graph strongly typed, as it says")
+    ap.add_argument("--tolerance", type=float, default=None,
+                    help="largest allowed |output(ORT) - output(PyTorch)| in the verification (default: "
+                         + ", ".join(f"{t:g} at {p}" for p, t in TOLERANCES.items()) + ")")
     ap.add_argument("--external-data", action="store_true",
                     help=f"store the weights in {STEP_GRAPH}.data even below 2 GB (always done above)")
     ap.add_argument("--warm-codec", nargs="?", const=DEFAULT_CODEC, default=None, metavar="CODEC",
@@ -103,8 +119,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     trt.add_argument("--max-batch", type=int, default=8, help="largest batch of the optimization profiles")
     trt.add_argument("--max-context", type=int, default=8192, help="longest sequence (tokens) of the profiles")
     trt.add_argument("--prefill-chunk", type=int, default=512, help="largest prefill step (tokens) of the profiles")
-    trt.add_argument("--precision", choices=["fp32", "fp16", "bf16"], default="fp16",
-                     help="TensorRT builder precision flag (default fp16)")
+    trt.add_argument("--max-attention-pages", type=int, default=None,
+                     help="tiered engines: the largest attention budget (pages per sequence and layer) the engine "
+                          "serves; TensorRT's TopK takes at most 3840 (default: every page of --max-context)")
     trt.add_argument("--plugin-library", type=Path, default=None,
                      help="the tieredkv TensorRT plugin library (libtieredkv_trt_plugins.so, built from "
                           "plugins/csrc with CMake)")
@@ -113,11 +130,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--warm-codec needs --tiered-kv (plain graphs hold no warm tier)")
     if args.page_size <= 0:
         ap.error(f"--page-size must be a positive integer, got {args.page_size}")
+    if args.tolerance is None:
+        args.tolerance = TOLERANCES[args.precision]
     if not args.tolerance >= 0:
         ap.error(f"--tolerance must be >= 0, got {args.tolerance}")
     if any(not w >= 0 for w in args.selection_weights):
         ap.error(f"--selection-weights must be >= 0, got {args.selection_weights}")
-    for name in ("max_batch", "max_context", "prefill_chunk"):
+    for name in ("max_batch", "max_context", "prefill_chunk") + (("max_attention_pages",) if args.max_attention_pages
+                                                                 is not None else ()):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     return args
@@ -193,8 +213,10 @@ def verify(model, path: Path, kit: Path, *, options, tolerance: float) -> dict:
 
     from tieredkv.builder.polygraphy_kit import compare_onnxruntime, make_steps, reference_results, write_kit
 
+    from tieredkv.builder.export import model_at
+
     feeds = make_steps(model, options, VERIFY_STEPS)
-    golden = reference_results(model, feeds, options)
+    golden = reference_results(model_at(model, options.dtype), feeds, options)
     write_kit(kit, feeds, golden)
     result = compare_onnxruntime(path, feeds, golden, tolerance=tolerance, threads=torch.get_num_threads())
     if not result.passed:
@@ -208,6 +230,10 @@ def build(args: argparse.Namespace) -> Path:
     or a failed verification, leaving nothing behind."""
     output = args.output.expanduser().absolute()
     check_output(output, force=args.force)
+    max_pages = None
+    if args.tiered_kv:  # every engine directory carries its TensorRT profiles: they must be buildable
+        max_pages = check_topk_limit(max_context=args.max_context, page_size=args.page_size,
+                                     max_attention_pages=args.max_attention_pages)
     t_start = time.perf_counter()
 
     from tieredkv.models.hub import resolve_model
@@ -245,14 +271,16 @@ def build(args: argparse.Namespace) -> Path:
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would make the engine private to this user
         try:
             options = StepGraphOptions(tiered_kv=args.tiered_kv, page_size=args.page_size,
-                                       selection_weights=tuple(args.selection_weights), warm_codec=args.warm_codec)
+                                       selection_weights=tuple(args.selection_weights), warm_codec=args.warm_codec,
+                                       precision=args.precision)
         except ValueError as exc:
             raise EngineBuildError(f"build options: {exc}") from None
         log(f"[2/6] building the {'tiered' if options.tiered_kv else 'plain paged'} step graph "
-            f"(opset {OPSET}, page size {options.page_size})")
+            f"(opset {OPSET}, page size {options.page_size}, {options.precision})")
         graph = build_step_graph(model, options, progress=_layers_progress(config.num_layers))
         weight_bytes = initializer_bytes(graph)
-        log(f"[3/6] writing {STEP_GRAPH} ({weight_bytes / 2**20:.0f} MiB of float32 weights) and the tokenizer")
+        log(f"[3/6] writing {STEP_GRAPH} ({weight_bytes / 2**20:.0f} MiB of {options.precision} weights) and the "
+            "tokenizer")
         external = save_step_graph(graph, tmp / STEP_GRAPH, external_data=True if args.external_data else None)
         del graph
         if loaded.tokenizer is not None:
@@ -268,7 +296,10 @@ def build(args: argparse.Namespace) -> Path:
         errors = verify(model, tmp / STEP_GRAPH, tmp / KIT_DIR, options=options, tolerance=args.tolerance)
         log(f"      max |logits error| = {errors['logits']:.3g} (tolerance {args.tolerance:g}); "
             + ", ".join(f"{k} {v:.3g}" for k, v in errors.items() if k != "logits"))
-        plan, trt_note = build_tensorrt_if_available(tmp / STEP_GRAPH, tmp / TRT_ENGINE, args, config,
+        profiles = tensorrt_profiles(config, page_size=options.page_size, max_batch=args.max_batch,
+                                     max_context=args.max_context, prefill_chunk=args.prefill_chunk,
+                                     tiered_kv=options.tiered_kv, warm_codec=options.warm_codec)
+        plan, trt_note = build_tensorrt_if_available(tmp / STEP_GRAPH, tmp / TRT_ENGINE, args, profiles,
                                                      tiered_kv=options.tiered_kv)
         build_seconds = time.perf_counter() - t_start
         n = config.num_layers
@@ -293,18 +324,16 @@ def build(args: argparse.Namespace) -> Path:
             "opset": OPSET,
             "build": {"page_size": options.page_size, "selection_weights": list(options.selection_weights),
                       "warm_codec": options.warm_codec,
-                      "dtype": "float32", "external_data": external, "tolerance": args.tolerance,
+                      "precision": options.precision, "dtype": str(options.dtype).removeprefix("torch."),
+                      "max_attention_pages": max_pages, "external_data": external, "tolerance": args.tolerance,
                       "verification_max_abs_error": errors, "tensorrt_engine": TRT_ENGINE if plan else None,
                       "tensorrt": trt_note, "plugin_library": str(args.plugin_library) if args.plugin_library else None,
-                      "profiles": tensorrt_profiles(config, page_size=options.page_size, max_batch=args.max_batch,
-                                                    max_context=args.max_context, prefill_chunk=args.prefill_chunk,
-                                                    tiered_kv=options.tiered_kv, warm_codec=options.warm_codec),
+                      "profiles": profiles,
                       "seconds": round(build_seconds, 2), "tieredkv_version": __version__,
                       "onnx_version": onnx.__version__, "torch_version": torch.__version__},
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
         outputs = StepOutputs.names(n, tiered_kv=options.tiered_kv)
-        profiles = engine_config["build"]["profiles"]
         engine_config["debug"] = {  # run from inside the engine directory (docs/engine.md)
             "polygraphy_onnxrt": polygraphy_command(".", tolerance=args.tolerance, outputs=outputs),
             "polygraphy_trt": plan_check_command(plan=TRT_ENGINE, tolerance=args.tolerance, outputs=outputs,
@@ -312,8 +341,8 @@ def build(args: argparse.Namespace) -> Path:
             "trtexec": f"./{TRTEXEC_FILE} PLUGIN_LIBRARY",
         }
         script = tmp / TRTEXEC_FILE
-        script.write_text(trtexec_script(profiles, onnx=STEP_GRAPH, plan=TRT_ENGINE, precision=args.precision,
-                                         tolerance=args.tolerance, outputs=outputs))
+        script.write_text(trtexec_script(profiles, onnx=STEP_GRAPH, plan=TRT_ENGINE, tolerance=args.tolerance,
+                                         outputs=outputs))
         script.chmod(0o777 & ~umask)
         (tmp / CONFIG_FILE).write_text(json.dumps(engine_config, indent=2) + "\n")
         _publish(tmp, output)
@@ -340,8 +369,10 @@ def rebuild_command(args: argparse.Namespace) -> str:
         parts.append(f"--warm-codec {args.warm_codec}")
     parts.append(f"--model {args.model if args.model and not Path(args.model).exists() else '<checkpoint>'}")
     parts.append("--output <ENGINE_DIR> --force")
-    for flag in ("page_size", "tolerance", "max_batch", "max_context", "prefill_chunk", "precision"):
-        parts.append(f"--{flag.replace('_', '-')} {getattr(args, flag)}")
+    for flag in ("page_size", "precision", "tolerance", "max_batch", "max_context", "prefill_chunk",
+                 "max_attention_pages"):
+        if getattr(args, flag) is not None:
+            parts.append(f"--{flag.replace('_', '-')} {getattr(args, flag)}")
     if list(args.selection_weights) != list(defaults.selection_weights):
         parts.append("--selection-weights " + " ".join(f"{w:g}" for w in args.selection_weights))
     if args.external_data:
@@ -350,113 +381,12 @@ def rebuild_command(args: argparse.Namespace) -> str:
     return " ".join(parts)
 
 
-def tensorrt_profiles(config, *, page_size: int, max_batch: int, max_context: int, prefill_chunk: int,
-                      tiered_kv: bool, warm_codec: str | None = None) -> dict[str, dict[str, list[list[int]]]]:
-    """The two TensorRT optimization profiles of the step graph, as {profile: {input: [min,
-    opt, max]}}: ``decode`` (T = 1) and ``prefill`` (T up to ``prefill_chunk``); B up to
-    ``max_batch``, M up to the pages of ``max_context`` tokens, pools up to every page of the
-    batch twice over (device pool plus the step's staged pages); warm pools (with
-    ``warm_codec``) from one row up to every page of the batch."""
-    L, kvh, d, p = config.num_layers, config.num_kv_heads, config.head_dim, page_size
-    m_max = -(-max_context // p)
-    c_max = 2 * max_batch * m_max
-    b = (1, max(1, max_batch // 2), max_batch)
-    m = (1, max(1, m_max // 2), m_max)
-    c = (1, max(1, c_max // 2), c_max)
-    out = {}
-    for name, t in (("decode", (1, 1, 1)), ("prefill", (1, prefill_chunk, prefill_chunk))):
-        def shape(*dims):  # dims: ints or (min, opt, max) triples
-            return [[x if isinstance(x, int) else x[i] for x in dims] for i in range(3)]
-
-        prof = {"input_ids": shape(b, t), "positions": shape(b, t), "seq_len": shape(b), "page_index": shape(b, m),
-                "page_table": shape(L, b, m), "page_mask": shape(L, b, m), "write_slot": shape(L, b, t),
-                "write_offset": shape(b, t)}
-        if tiered_kv:
-            prof.update(page_pinned=shape(b, m), page_tokens=shape(b, m), attend_pages=shape(b),
-                        key_min=shape(L, b, m, kvh, d), key_max=shape(L, b, m, kvh, d), page_saliency=shape(L, b, m),
-                        position_table=shape(L, (1, 16, 64)))  # the scorer's buckets (16 by default)
-        if warm_codec is not None:
-            from tieredkv.plugins.codec import CODECS, page_bytes
-
-            nb = page_bytes(CODECS[warm_codec], kvh, p, d)
-            w = (1, max(1, max_batch * m_max // 2), max_batch * m_max)
-            prof["page_warm_row"] = shape(L, b, m)
-        for layer in range(L):
-            prof[f"k_pool_{layer}"] = prof[f"v_pool_{layer}"] = shape(c, kvh, p, d)
-            if warm_codec is not None:
-                prof[f"warm_pool_{layer}"] = shape(w, nb // 4)  # int32 words
-        out[name] = prof
-    return out
-
-
-#: the oldest TensorRT whose ONNX parser maps a node carrying ``plugin_namespace`` /
-#: ``plugin_version`` to its registered plugin (older parsers inline the function body silently)
-TRT_MIN_VERSION = "10.7"
-
-
-def check_tensorrt_version(version: str) -> None:
-    """EngineBuildError unless ``version`` (tensorrt.__version__) is at least TRT_MIN_VERSION."""
-    def key(v: str) -> tuple[int, ...]:
-        return tuple(int(x) if x.isdigit() else 0 for x in v.split(".")[:3])
-
-    if key(version) < key(TRT_MIN_VERSION):
-        raise EngineBuildError(f"TensorRT {version} is too old: the tieredkv plugins need TensorRT >= "
-                               f"{TRT_MIN_VERSION}, whose ONNX parser maps the plugin nodes to the registered plugins "
-                               "(older parsers inline the nodes' function bodies without a word)")
-
-
-def plugin_nodes(model) -> dict[str, int]:
-    """How many nodes of each tieredkv op with a TensorRT plugin the step graph holds (the nodes
-    that carry ``plugin_namespace``)."""
-    from tieredkv.plugins.onnx_ops import DOMAIN
-
-    counts: dict[str, int] = {}
-    for node in model.graph.node:
-        if node.domain == DOMAIN and any(a.name == "plugin_namespace" for a in node.attribute):
-            counts[node.op_type] = counts.get(node.op_type, 0) + 1
-    return counts
-
-
-def _plugin_name(layer, trt) -> str | None:
-    """The plugin name of a plugin layer of a parsed network (None when TensorRT's Python API
-    does not expose it)."""
-    try:
-        plugin = layer.get_plugin() if hasattr(layer, "get_plugin") else layer.plugin
-        core = plugin.get_capability_interface(trt.PluginCapabilityType.CORE)
-        return str(core.plugin_name)
-    except Exception:  # noqa: BLE001 - the name is a refinement of the count check
-        return None
-
-
-def check_plugin_layers(network, trt, expected: dict[str, int]) -> None:
-    """After parsing: the network must hold a plugin layer for every plugin node of the step
-    graph (``expected``: op type -> nodes). A parser that inlined a node's function body instead
-    builds an engine that runs, slowly and without the plugins: that is a build error here."""
-    plugin_types = {getattr(trt.LayerType, n) for n in ("PLUGIN_V3", "PLUGIN_V2", "PLUGIN") if hasattr(trt.LayerType, n)}
-    found: dict[str, int] = {}
-    unnamed = 0
-    for i in range(network.num_layers):
-        layer = network.get_layer(i)
-        if layer.type not in plugin_types:
-            continue
-        name = _plugin_name(layer, trt)
-        if name is None:
-            unnamed += 1
-        else:
-            found[name] = found.get(name, 0) + 1
-    missing = {op: n - found.get(op, 0) for op, n in expected.items() if found.get(op, 0) < n}
-    if sum(missing.values()) > unnamed:
-        raise EngineBuildError(
-            f"the parsed network lacks plugin layers for {short(missing)} (expected {short(expected)}, found "
-            f"{short(found)}{f' and {unnamed} unnamed' if unnamed else ''}): TensorRT inlined the nodes' ONNX "
-            f"function bodies instead of using the tieredkv plugins. Use TensorRT >= {TRT_MIN_VERSION} and load "
-            "the tieredkv plugin library (--plugin-library)")
-
-
-def build_tensorrt_if_available(onnx_path: Path, plan_path: Path, args: argparse.Namespace, config, *,
+def build_tensorrt_if_available(onnx_path: Path, plan_path: Path, args: argparse.Namespace, profiles: dict, *,
                                 tiered_kv: bool) -> tuple[bool, str]:
-    """Build ``plan_path`` from ``onnx_path`` where TensorRT is importable. Returns (built,
-    a sentence saying what happened)."""
+    """Build ``plan_path`` from ``onnx_path`` where TensorRT is importable (a strongly typed
+    network, `tensorrt_build.build_tensorrt`). Returns (built, a sentence saying what happened)."""
+    from tieredkv.builder.tensorrt_build import TRT_MIN_VERSION, build_tensorrt
+
     rebuild = rebuild_command(args)
     try:
         import tensorrt as trt
@@ -465,57 +395,13 @@ def build_tensorrt_if_available(onnx_path: Path, plan_path: Path, args: argparse
                        f"ONNX step graph ({STEP_GRAPH}), which ONNX Runtime runs (tieredkv generate --engine DIR). "
                        f"On a GPU machine with TensorRT >= {TRT_MIN_VERSION}, build the plugin library (cmake -S plugins/csrc -B "
                        f"build/plugins -DTRT_INCLUDE_DIR=... && cmake --build build/plugins) and run: {rebuild}")
-    check_tensorrt_version(trt.__version__)
-    log(f"[6/6] building the TensorRT {trt.__version__} engine ({args.precision}, 2 optimization profiles)")
-    logger = trt.Logger(trt.Logger.WARNING)
-    registry = trt.get_plugin_registry()
-    if args.plugin_library is not None:
-        if not args.plugin_library.is_file():
-            raise EngineBuildError(f"{args.plugin_library}: plugin library not found")
-        registry.load_library(str(args.plugin_library))
-    from tieredkv.plugins.onnx_ops import (IMPORTANCE_SCORE, KV_APPEND, PLUGIN_NAMESPACE, PLUGIN_VERSION,
-                                           TIERED_ATTENTION)
-
-    ops = [TIERED_ATTENTION, KV_APPEND] + ([IMPORTANCE_SCORE] if tiered_kv else [])
-    missing = [op for op in ops if registry.get_creator(op, PLUGIN_VERSION, PLUGIN_NAMESPACE) is None]
-    if missing:
-        raise EngineBuildError(f"TensorRT has no plugin creator for {missing} (namespace {PLUGIN_NAMESPACE!r}, version "
-                            f"{PLUGIN_VERSION}); pass --plugin-library with the tieredkv plugin library")
-    builder = trt.Builder(logger)
-    network = builder.create_network(0)
-    parser = trt.OnnxParser(network, logger)
-    override = getattr(trt.OnnxParserFlag, "ENABLE_PLUGIN_OVERRIDE", None)
-    if override is not None:  # nodes carrying plugin_namespace / plugin_version become their registered plugins
-        parser.set_flag(override)
-    else:
-        log(f"      TensorRT {trt.__version__} has no OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE: it maps custom-domain "
-            "nodes to registered plugins by op type")
-    if not parser.parse_from_file(str(onnx_path)):
-        errs = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise VerificationError(f"TensorRT's ONNX parser rejects {STEP_GRAPH}: {errs}")
-    import onnx
-
-    check_plugin_layers(network, trt, plugin_nodes(onnx.load(str(onnx_path), load_external_data=False)))
-    cfg = builder.create_builder_config()
-    aliased = getattr(trt.PreviewFeature, "ALIASED_PLUGIN_IO_10_03", None)
-    if aliased is not None:  # KVAppend writes the pools in place (its outputs alias its inputs)
-        cfg.set_preview_feature(aliased, True)
-    if args.precision == "fp16":
-        cfg.set_flag(trt.BuilderFlag.FP16)
-    elif args.precision == "bf16":
-        cfg.set_flag(trt.BuilderFlag.BF16)
-    for prof_shapes in tensorrt_profiles(config, page_size=args.page_size, max_batch=args.max_batch,
-                                         max_context=args.max_context, prefill_chunk=args.prefill_chunk,
-                                         tiered_kv=tiered_kv, warm_codec=args.warm_codec).values():
-        profile = builder.create_optimization_profile()
-        for name, (lo, opt, hi) in prof_shapes.items():
-            profile.set_shape(name, lo, opt, hi)
-        cfg.add_optimization_profile(profile)
-    serialized = builder.build_serialized_network(network, cfg)
-    if serialized is None:
-        raise VerificationError("TensorRT failed to build the engine (see its log above)")
-    plan_path.write_bytes(bytes(serialized))
-    return True, f"      TensorRT engine {TRT_ENGINE} built ({len(bytes(serialized)) / 2**20:.0f} MiB)"
+    log(f"[6/6] building the TensorRT {trt.__version__} engine ({args.precision} graph, strongly typed)")
+    try:
+        size = build_tensorrt(trt, onnx_path, plan_path, profiles=profiles, plugin_library=args.plugin_library,
+                              tiered_kv=tiered_kv, log=log)
+    except RuntimeError as exc:
+        raise VerificationError(str(exc)) from None
+    return True, f"      TensorRT engine {TRT_ENGINE} built ({size / 2**20:.0f} MiB)"
 
 
 def _make_parents(parent: Path) -> list[Path]:

@@ -19,7 +19,8 @@ Per layer: RMSNorm -> Q/K/V Gemm -> RoPE -> KVAppend into the layer's pools ->
 [ImportanceScore on the last new token's query -> SelectPages] -> TieredAttention over
 the updated pools -> O Gemm -> residual -> RMSNorm -> SwiGLU -> residual; then the final
 norm and the LM head (tied embeddings reuse the embedding initializer). Weights are
-float32 initializers named as in the model's state dict; RoPE uses the model's own
+initializers of the graph's precision (``StepGraphOptions.precision``: float32, or float16 with
+the pools and activations; see ``build_step_graph``) named as in the model's state dict; RoPE uses the model's own
 ``inv_freq`` (config scaling, GGUF frequency factors). The ImportanceScore weights (the
 selection mix) are a build option, recorded in the engine's config.json.
 
@@ -36,15 +37,15 @@ from typing import Callable, Iterable
 import numpy as np
 import onnx
 import torch
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from tieredkv.models.cache import Step
 from tieredkv.models.llama import Llama
 from tieredkv.plugins.tiered_attention import PAD_PAGE_INDEX, tiered_attention
 from tieredkv.plugins.codec import CODECS, encode_pages, page_bytes
 from tieredkv.plugins.importance_score import RELEVANCE_ONLY, relevance_and_ranking
-from tieredkv.plugins.onnx_codec import _Body
 from tieredkv.plugins.kv_append import kv_append
+from tieredkv.plugins.onnx_graph import OnnxGraph
 from tieredkv.plugins.onnx_ops import (
     DOMAIN,
     IMPORTANCE_SCORE,
@@ -59,10 +60,10 @@ from tieredkv.plugins.onnx_ops import (
     warm_functions,
 )
 from tieredkv.plugins.select_pages import select_pages
-from tieredkv.runtime.tiered.engine_io import StepFeeds, StepOutputs
+from tieredkv.runtime.tiered.engine_io import KV_DTYPE, StepFeeds, StepOutputs
 
-__all__ = ["StepGraphOptions", "PoolStep", "PROTOBUF_LIMIT", "build_step_graph", "initializer_bytes",
-           "random_step_inputs", "reference_step", "run_onnx", "onnx_session",
+__all__ = ["StepGraphOptions", "PoolStep", "PROTOBUF_LIMIT", "PRECISIONS", "build_step_graph", "initializer_bytes",
+           "model_at", "random_step_inputs", "reference_step", "run_onnx", "onnx_session",
            "save_step_graph", "PAD_INDEX", "RELEVANCE_ONLY"]
 
 _F32, _I64, _BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
@@ -72,6 +73,11 @@ _F32, _I64, _BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 PROTOBUF_LIMIT = 2**31 - 1 - (64 << 20)
 #: page_index of padding columns (past any sequence: no key of it is ever valid)
 PAD_INDEX = PAD_PAGE_INDEX
+#: the graph's precision (``StepGraphOptions.precision``) -> the dtype of its weights, pools and
+#: activations (a bfloat16 graph is left out: ONNX Runtime's CPU provider, which verifies every
+#: engine, has no bfloat16 kernels for most ops)
+PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16}
+_ONNX_OF = {torch.float32: _F32, torch.float16: TensorProto.FLOAT16}
 
 
 @dataclass(frozen=True)
@@ -81,14 +87,24 @@ class StepGraphOptions:
     ``selection_weights``: (relevance, position, saliency) of the ImportanceScore mix that
     ranks pages for the attention budget (the runtime's ``selection_weights``).
     ``warm_codec``: the graph also takes each layer's warm (compressed) pool and attention
-    reads those pages from their encoded bytes (the runtime's ``warm_codec``)."""
+    reads those pages from their encoded bytes (the runtime's ``warm_codec``).
+    ``precision``: the dtype of the weights, the K/V pools and the activations between the
+    matrix products (:data:`PRECISIONS`; see :func:`build_step_graph`)."""
 
     tiered_kv: bool = True
     page_size: int = 16
     selection_weights: tuple[float, float, float] = RELEVANCE_ONLY
     warm_codec: str | None = None
+    precision: str = "fp32"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype of ``precision``: the graph's weights, pools and activations."""
+        return PRECISIONS[self.precision]
 
     def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
         if not isinstance(self.page_size, int) or self.page_size <= 0:
             raise ValueError(f"page_size must be a positive integer, got {self.page_size!r}")
         if self.warm_codec is not None:
@@ -108,21 +124,28 @@ class StepGraphOptions:
         object.__setattr__(self, "selection_weights", w)
 
 
-class _Graph(_Body):
-    """Nodes, weight initializers and fresh value names of the graph under construction
-    (the function-body builder of the plugin ops, plus initializers; constants default to int64)."""
+class _StepGraph(OnnxGraph):
+    """The step graph under construction: weights in the graph's dtype ``dt`` (an ONNX
+    TensorProto type), constants default to int64."""
 
-    def __init__(self) -> None:
+    def __init__(self, dt: int) -> None:
         super().__init__()
-        self.initializers: list[onnx.TensorProto] = []
+        self.dt = dt
 
     def weight(self, name: str, tensor: torch.Tensor) -> str:
-        array = tensor.detach().to(torch.float32).contiguous().numpy()
-        self.initializers.append(numpy_helper.from_array(array, name))
-        return name
+        dtype = torch.float16 if self.dt == TensorProto.FLOAT16 else torch.float32
+        return self.initializer(name, tensor.detach().to(dtype).contiguous().numpy())
 
     def const(self, values: list[int] | float, dtype: int = _I64) -> str:
         return super().const(values, dtype)
+
+    def f32(self, x: str) -> str:
+        """An activation of the graph's dtype as float32 (no node in a float32 graph)."""
+        return x if self.dt == _F32 else self.op("Cast", x, to=_F32)
+
+    def act(self, x: str) -> str:
+        """A float32 value as an activation of the graph's dtype (no node in a float32 graph)."""
+        return x if self.dt == _F32 else self.op("Cast", x, to=self.dt)
 
     def custom(self, op_type: str, inputs: list[str], outputs: list[str], name: str, **attrs) -> None:
         """A node of one of the tieredkv ops (with its plugin attributes, where it has a plugin)."""
@@ -133,23 +156,22 @@ class _Graph(_Body):
         """Row ``layer`` of a per-layer stacked input (axis 0 dropped)."""
         return self.op("Gather", stacked, self.const(layer), axis=0)
 
-    def dim(self, x: str, i: int) -> str:
-        return self.op("Shape", x, start=i, end=i + 1)
 
-
-def _rms_norm(g: _Graph, x: str, weight: str, eps: float) -> str:
-    """x [N, hidden] -> weight * x / sqrt(mean(x^2) + eps) (the reference RMSNorm)."""
-    ms = g.op("ReduceMean", g.op("Mul", x, x), g.const([-1]), keepdims=1)
+def _rms_norm(g: _StepGraph, x: str, weight: str, eps: float) -> str:
+    """x [N, hidden] -> weight * (x / sqrt(mean(x^2) + eps)), the reference RMSNorm: normalized
+    in float32, rounded to the graph's dtype, then scaled by the weight."""
+    xf = g.f32(x)
+    ms = g.op("ReduceMean", g.op("Mul", xf, xf), g.const([-1]), keepdims=1)
     inv = g.op("Reciprocal", g.op("Sqrt", g.op("Add", ms, g.const(float(eps), _F32))))
-    return g.op("Mul", weight, g.op("Mul", x, inv))
+    return g.op("Mul", weight, g.act(g.op("Mul", xf, inv)))
 
 
-def _linear(g: _Graph, x: str, weight: str) -> str:
+def _linear(g: _StepGraph, x: str, weight: str) -> str:
     """x [N, in] @ weight[out, in]^T (the PyTorch layout, no transposed copy)."""
     return g.op("Gemm", x, weight, transB=1)
 
 
-def _rope(g: _Graph, x: str, cos: str, sin: str, half: int) -> str:
+def _rope(g: _StepGraph, x: str, cos: str, sin: str, half: int) -> str:
     """x [B, heads, T, D] -> x * cos + rotate_half(x) * sin, with cos/sin [B, 1, T, D]."""
     axes = g.const([-1])
     x1 = g.op("Slice", x, g.const([0]), g.const([half]), axes)
@@ -161,23 +183,32 @@ def _rope(g: _Graph, x: str, cos: str, sin: str, half: int) -> str:
 def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
                      progress: Callable[[Iterable[int]], Iterable[int]] | None = None) -> onnx.ModelProto:
     """The step graph of ``model`` (see the module docstring). ``progress`` wraps the
-    iteration over layers (e.g. tqdm)."""
+    iteration over layers (e.g. tqdm).
+
+    The graph computes what ``model_at(model, options.dtype)`` computes: weights, pools, the
+    new K/V and the activations between the matrix products in ``options.dtype``; RMSNorm's
+    normalization, SiLU, the RoPE tables and attention (q, the softmax, the plugin's outputs)
+    in float32, each result rounded to the graph's dtype where the model rounds it; logits,
+    relevance and attention mass in float32. Every type is explicit, so TensorRT builds the
+    graph as a strongly typed network: what it reads and writes in float16 is what the graph
+    says, nothing more, nothing less."""
     options = options or StepGraphOptions()
     c = model.config
     n_layers, h, kvh, d, p = c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, options.page_size
     tiered = options.tiered_kv
-    g = _Graph()
+    g = _StepGraph(_ONNX_OF[options.dtype])
     state = model.state_dict()
     scale = float(d) ** -0.5
 
     embed = g.weight("embed_tokens.weight", state["embed_tokens.weight"])
-    inv_freq = g.weight("rope.inv_freq", model.inv_freq.float())
+    inv_freq = g.initializer("rope.inv_freq", model.inv_freq.float().numpy())  # float32 in every precision
     B, T = g.dim("input_ids", 0), g.dim("input_ids", 1)
-    # RoPE tables of the new tokens: emb = [freqs, freqs], freqs = position * inv_freq (float32)
+    # RoPE tables of the new tokens: emb = [freqs, freqs], freqs = position * inv_freq (float32),
+    # cos / sin rounded to the graph's dtype (as the model's rope_cos_sin)
     freqs = g.op("Mul", g.op("Unsqueeze", g.op("Cast", "positions", to=_F32), g.const([2])), inv_freq)  # [B,T,D/2]
     emb = g.op("Concat", freqs, freqs, axis=-1)
-    cos = g.op("Unsqueeze", g.op("Cos", emb), g.const([1]))  # [B, 1, T, D]
-    sin = g.op("Unsqueeze", g.op("Sin", emb), g.const([1]))
+    cos = g.op("Unsqueeze", g.act(g.op("Cos", emb)), g.const([1]))  # [B, 1, T, D]
+    sin = g.op("Unsqueeze", g.act(g.op("Sin", emb)), g.const([1]))
     past = g.op("Sub", "seq_len", g.op("Squeeze", T, g.const([0])), out="past")
     heads = lambda n: g.op("Concat", B, T, g.const([n, d]), axis=0)  # noqa: E731  [B, T, n, D]
     q_shape, kv_shape = heads(h), heads(kvh)
@@ -216,7 +247,7 @@ def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
                  [k_out, v_out], name=f"{pre}.kv_append")
         table, in_pool = g.layer_of("page_table", layer), g.layer_of("page_mask", layer)
         if tiered:
-            q_last = g.op("Squeeze", g.op("Slice", q, t_last, T, g.const([2])), g.const([2]))  # [B, H, D]
+            q_last = g.f32(g.op("Squeeze", g.op("Slice", q, t_last, T, g.const([2])), g.const([2])))  # [B, H, D]
             score_in = [q_last, g.layer_of("key_min", layer), g.layer_of("key_max", layer), "page_tokens", distance,
                         g.layer_of("page_saliency", layer), cand]
             pos_table = g.layer_of("position_table", layer)
@@ -237,7 +268,7 @@ def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
             attended = g.op("And", in_pool, valid)
         attn, lse, probs = f"{pre}.attn_out", f"{pre}.attn_lse", f"{pre}.page_probs"
         attended = g.op("Cast", attended, to=TensorProto.INT32)  # plugin tensors cannot be bool
-        attn_in = [q, k_out, v_out, table, attended, "page_index", "seq_len", past]
+        attn_in = [g.f32(q), k_out, v_out, table, attended, "page_index", "seq_len", past]
         warm_attrs = {}
         if options.warm_codec is not None:
             attn_in += [f"warm_pool_{layer}", g.layer_of("page_warm_row", layer)]
@@ -246,16 +277,17 @@ def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
         if tiered:  # mean over query heads (axis 1), sum over the step's queries (then axis 1)
             mass = g.op("ReduceSum", g.op("ReduceMean", probs, g.const([1]), keepdims=0), g.const([1]), keepdims=0)
             news["mass"].append(g.op("Unsqueeze", mass, g.const([0])))
-        attn_rows = g.op("Reshape", g.op("Transpose", attn, perm=[0, 2, 1, 3]), flat)  # [B*T, H*D]
+        attn_rows = g.act(g.op("Reshape", g.op("Transpose", attn, perm=[0, 2, 1, 3]), flat))  # [B*T, H*D]
         x = g.op("Add", x, _linear(g, attn_rows, w("self_attn.o_proj")))
         hs = _rms_norm(g, x, w("post_attention_layernorm"), c.rms_norm_eps)
-        gate = _linear(g, hs, w("mlp.gate_proj"))
-        act = g.op("Mul", gate, g.op("Sigmoid", gate))
+        gate = g.f32(_linear(g, hs, w("mlp.gate_proj")))
+        act = g.act(g.op("Mul", gate, g.op("Sigmoid", gate)))  # SiLU in float32, rounded once
         x = g.op("Add", x, _linear(g, g.op("Mul", act, _linear(g, hs, w("mlp.up_proj"))), w("mlp.down_proj")))
 
     norm = g.weight("norm.weight", state["norm.weight"])
     head = embed if c.tie_word_embeddings else g.weight("lm_head.weight", state["lm_head.weight"])
-    g.op("Reshape", g.op("Gemm", _rms_norm(g, x, norm, c.rms_norm_eps), head, transB=1), logits_shape, out="logits")
+    logits = g.f32(g.op("Gemm", _rms_norm(g, x, norm, c.rms_norm_eps), head, transB=1))
+    g.op("Reshape", logits, logits_shape, out="logits")
     g.op("Concat", *news["k"], axis=0, out="k_new")
     g.op("Concat", *news["v"], axis=0, out="v_new")
     if tiered:
@@ -267,8 +299,8 @@ def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
     known = {"L": n_layers, "KVH": kvh, "P": p, "D": d, "V": c.vocab_size}
     if warm:
         known["PW"] = page_bytes(CODECS[options.warm_codec], kvh, p, d) // 4
-    ins = _value_infos(StepFeeds, n_layers, known, tiered_kv=tiered, warm=warm)
-    outs = _value_infos(StepOutputs, n_layers, known, tiered_kv=tiered, warm=warm)
+    ins = _value_infos(StepFeeds, n_layers, known, options.dtype, tiered_kv=tiered, warm=warm)
+    outs = _value_infos(StepOutputs, n_layers, known, options.dtype, tiered_kv=tiered, warm=warm)
     graph = helper.make_graph(g.nodes, f"{c.name}_step{'_tiered' if tiered else ''}", ins, outs,
                               initializer=g.initializers)
     functions = warm_functions(options.warm_codec, (kvh, p, d) if warm else None) + [kv_append_function()]
@@ -279,19 +311,22 @@ def build_step_graph(model: Llama, options: StepGraphOptions | None = None, *,
                              producer_name="tieredkv.builder", doc_string=__doc__.split("\n\n")[0])
 
 
-_ONNX_TYPES = {torch.float32: _F32, torch.int64: _I64, torch.int32: TensorProto.INT32, torch.bool: _BOOL}
+_ONNX_TYPES = {**_ONNX_OF, torch.int64: _I64, torch.int32: TensorProto.INT32, torch.bool: _BOOL}
 
 
-def _value_infos(tensors, num_layers: int, known: dict[str, int], *, tiered_kv: bool, warm: bool) -> list:
+def _value_infos(tensors, num_layers: int, known: dict[str, int], kv_dtype: torch.dtype, *, tiered_kv: bool,
+                 warm: bool) -> list:
     """The graph's inputs or outputs as declared by ``StepFeeds`` / ``StepOutputs``: known
-    dimensions by value, the others symbolic (``C{l}``: per layer)."""
+    dimensions by value, the others symbolic (``C{l}``: per layer); the K/V tensors
+    (``KV_DTYPE``) in ``kv_dtype``."""
     specs = dict(tensors.specs(tiered_kv=tiered_kv, warm=warm))
     infos = []
     for name in tensors.names(num_layers, tiered_kv=tiered_kv, warm=warm):
         base, layer = (name, None) if name in specs else tuple(name.rsplit("_", 1))
         meta = specs[base]
         dims = [known.get(dim, dim.format(l=layer)) for dim in meta["dims"]]
-        infos.append(helper.make_tensor_value_info(name, _ONNX_TYPES[meta["dtype"]], dims))
+        dtype = kv_dtype if meta["dtype"] == KV_DTYPE else meta["dtype"]
+        infos.append(helper.make_tensor_value_info(name, _ONNX_TYPES[dtype], dims))
     return infos
 
 
@@ -376,11 +411,25 @@ class PoolStep:
         return {k: torch.stack(v) for k, v in self.news.items() if v[0] is not None}
 
 
+def model_at(model: Llama, dtype: torch.dtype) -> Llama:
+    """The reference of a graph of ``dtype``: ``model`` itself in its own dtype, else a copy with
+    its weights in ``dtype`` (RoPE's inverse frequencies stay float32, as
+    ``load_checkpoint(dtype=...)`` keeps them) — the torch backend running that dtype."""
+    if model.dtype == dtype:
+        return model
+    import copy
+
+    other = copy.deepcopy(model).to(dtype)
+    other.inv_freq = model.inv_freq.float().clone()
+    return other
+
+
 @torch.no_grad()
 def reference_step(model: Llama, feeds: dict[str, np.ndarray], *, tiered_kv: bool = True,
                    selection_weights: tuple[float, float, float] = RELEVANCE_ONLY,
                    warm_codec: str | None = None) -> dict[str, np.ndarray]:
-    """The graph's outputs computed by the PyTorch model for the graph's inputs ``feeds``."""
+    """The graph's outputs computed by the PyTorch model for the graph's inputs ``feeds`` (the
+    reference of a graph of another dtype than ``model``'s is ``model_at(model, dtype)``)."""
     f = StepFeeds.from_dict({k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items()})
     step = PoolStep(f, num_layers=model.config.num_layers, tiered_kv=tiered_kv,
                     selection_weights=tuple(float(x) for x in selection_weights), warm_codec=warm_codec)
@@ -390,7 +439,8 @@ def reference_step(model: Llama, feeds: dict[str, np.ndarray], *, tiered_kv: boo
 
 def random_step_inputs(model: Llama, *, page_size: int, seq_lens: list[int], new_tokens: int = 1,
                        tiered_kv: bool, seed: int = 0, model_kv: bool = False, spare_pages: int = 3,
-                       attend_fraction: float = 0.6, warm_codec: str | None = None) -> dict[str, np.ndarray]:
+                       attend_fraction: float = 0.6, warm_codec: str | None = None,
+                       kv_dtype: torch.dtype = torch.float32) -> dict[str, np.ndarray]:
     """Random graph inputs: sequences of ``seq_lens`` tokens (the ``new_tokens`` new ones
     included) whose pages are scattered over each layer's pool (a different placement per
     layer) with ``spare_pages`` unused pages, listed in shuffled order and padded to the
@@ -405,7 +455,9 @@ def random_step_inputs(model: Llama, *, page_size: int, seq_lens: list[int], new
     sequence's pages; key summaries are the real min/max of the pool slots. With ``warm_codec``
     about half of each layer's other in-pool pages become warm: their pool page is encoded into
     the layer's warm pool (rows shuffled, one spare row) and their page_table entry is pointed
-    at another page, so that only the decoded bytes give the right answer."""
+    at another page, so that only the decoded bytes give the right answer. The pools are of
+    ``kv_dtype`` (the graph's precision); key summaries and warm pages are made from the values
+    they hold."""
     rng = np.random.default_rng(seed)
     c = model.config
     L, P = c.num_layers, page_size
@@ -444,6 +496,9 @@ def random_step_inputs(model: Llama, *, page_size: int, seq_lens: list[int], new
             if n > new_tokens:
                 prompt = torch.from_numpy(rng.integers(0, c.vocab_size, n - new_tokens).astype(np.int64))
                 _write_prompt_kv(model, prompt, logical_slot[:, b, : n_pages[b]], feeds)
+    np_dtype = torch.empty(0, dtype=kv_dtype).numpy().dtype
+    feeds.k_pool = [x.astype(np_dtype) for x in feeds.k_pool]
+    feeds.v_pool = [x.astype(np_dtype) for x in feeds.v_pool]
     if tiered_kv:
         tokens = np.zeros((batch, m), np.int64)
         pinned = np.zeros((batch, m), bool)
@@ -482,7 +537,8 @@ def _make_warm(feeds: StepFeeds, rng: np.random.Generator, spec, write_pages: np
         cols = np.argwhere(warm)
         rows = rng.permutation(len(cols) + 1)[: len(cols)]
         src = torch.from_numpy(table[layer][warm])
-        enc = encode_pages(torch.from_numpy(feeds.k_pool[layer])[src], torch.from_numpy(feeds.v_pool[layer])[src], spec)
+        enc = encode_pages(torch.from_numpy(feeds.k_pool[layer])[src].float(),
+                           torch.from_numpy(feeds.v_pool[layer])[src].float(), spec)
         data = np.zeros((len(cols) + 1, page_bytes(spec, *feeds.k_pool[0].shape[1:])), np.uint8)
         data[rows] = enc.numpy()
         warm_pools.append(data.view(np.int32))  # the graph takes the encoded bytes as int32 words

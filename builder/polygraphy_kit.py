@@ -69,12 +69,14 @@ def make_steps(model, options, steps) -> list[dict[str, np.ndarray]]:
     from tieredkv.builder.export import random_step_inputs
 
     return [random_step_inputs(model, page_size=options.page_size, seq_lens=list(lens), new_tokens=new, seed=seed,
-                               tiered_kv=options.tiered_kv, model_kv=True, warm_codec=options.warm_codec)
+                               tiered_kv=options.tiered_kv, model_kv=True, warm_codec=options.warm_codec,
+                               kv_dtype=options.dtype)
             for seed, (lens, new) in enumerate(steps)]
 
 
 def reference_results(model, feeds: list[dict[str, np.ndarray]], options):
-    """The PyTorch reference's outputs for ``feeds``, as polygraphy RunResults."""
+    """The PyTorch reference's outputs for ``feeds``, as polygraphy RunResults (``model``: the
+    reference in the graph's dtype, ``export.model_at``)."""
     from polygraphy.comparator import IterationResult, RunResults
 
     from tieredkv.builder.export import reference_step
@@ -196,16 +198,16 @@ def polygraphy_command(engine: str, *, tolerance: float, outputs, runner: str = 
 
 
 def trtexec_args(profiles: dict[str, dict[str, list[list[int]]]], *, onnx: str, plugin_library: str,
-                 save_engine: str, precision: str = "fp16") -> list[str]:
-    """The ``trtexec`` arguments that build the step graph into a TensorRT plan with the
-    builder's optimization profiles (``--profile=i --minShapes/--optShapes/--maxShapes``, one
-    group per profile, in the builder's order), the tieredkv plugin library loaded
-    dynamically and serialized into the plan, and no inference run (trtexec's random inputs
-    are not valid page tables: check the plan with polygraphy and the kit instead)."""
+                 save_engine: str) -> list[str]:
+    """The ``trtexec`` arguments that build the step graph into a TensorRT plan: strongly
+    typed (``--stronglyTyped``: the graph's own types, as the builder does; a no-op on
+    TensorRT 11, where every network is), with the builder's optimization profiles
+    (``--profile=i --minShapes/--optShapes/--maxShapes``, one group per profile, in the
+    builder's order), the tieredkv plugin library loaded dynamically and serialized into the
+    plan, and no inference run (trtexec's random inputs are not valid page tables: check the
+    plan with polygraphy and the kit instead)."""
     args = ["trtexec", f"--onnx={onnx}", f"--dynamicPlugins={plugin_library}",
-            f"--setPluginsToSerialize={plugin_library}"]
-    if precision in ("fp16", "bf16"):
-        args.append(f"--{precision}")
+            f"--setPluginsToSerialize={plugin_library}", "--stronglyTyped"]
     for i, shapes in enumerate(profiles.values()):
         args.append(f"--profile={i}")
         for flag, which in (("--minShapes", 0), ("--optShapes", 1), ("--maxShapes", 2)):
@@ -236,11 +238,11 @@ def plan_check_command(*, plan: str, tolerance: float, outputs, profiles) -> str
                               plugin_library="PLUGIN_LIBRARY", profile=len(profiles) - 1)
 
 
-def trtexec_script(profiles: dict[str, dict[str, list[list[int]]]], *, onnx: str, plan: str, precision: str,
-                   tolerance: float, outputs) -> str:
+def trtexec_script(profiles: dict[str, dict[str, list[list[int]]]], *, onnx: str, plan: str, tolerance: float,
+                   outputs) -> str:
     """``trtexec.sh`` of an engine directory: :func:`trtexec_args` with the plugin library
     given as its first argument, and the polygraphy command that checks the plan."""
-    args = trtexec_args(profiles, onnx=onnx, plugin_library="$PLUGINS", save_engine=plan, precision=precision)
+    args = trtexec_args(profiles, onnx=onnx, plugin_library="$PLUGINS", save_engine=plan)
     command = " ".join(f'"{a}"' if "$PLUGINS" in a else shlex.quote(a) for a in args)
     check = plan_check_command(plan=plan, tolerance=tolerance, outputs=outputs, profiles=profiles)
     return TRTEXEC_SCRIPT.format(plan=plan, script=TRTEXEC_FILE, profile=len(profiles) - 1, check=check,

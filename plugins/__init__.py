@@ -13,8 +13,9 @@ KVEncodePages         ``codec.encode_pages``          ``onnx_codec.encode_functi
 KVDecodePages         ``codec.decode_pages``          ``onnx_codec.decode_pages_function``
 ====================  ==============================  ==========================================
 
-The ONNX forms need the ``onnx`` extra: import them explicitly. The CUDA kernels are in
-``plugins/csrc`` and, as PyTorch ops, in ``cuda_ops``.
+The ONNX forms need the ``onnx`` extra: import them explicitly; they are written with
+``onnx_graph.OnnxGraph``, the graph builder the engine's step graph uses too. The CUDA kernels
+are in ``plugins/csrc`` and, as PyTorch ops, in ``cuda_ops``.
 """
 
 #: the custom ONNX domain of the ops, the TensorRT plugin namespace and the version of every op

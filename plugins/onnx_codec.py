@@ -20,47 +20,24 @@ from __future__ import annotations
 from onnx import FunctionProto, ModelProto, TensorProto, helper
 
 from tieredkv.plugins.codec import FP8_MAX, FP16_MAX, CodecSpec
+from tieredkv.plugins.onnx_graph import OnnxGraph
 
 from tieredkv.plugins import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION  # noqa: E402  (re-exported)
 OPSET = 21
 _ATTRS = ["plugin_namespace", "plugin_version"]
 
 
-class _Body:
-    """A tiny helper to write function bodies as a list of nodes with fresh names."""
-
-    def __init__(self) -> None:
-        self.nodes: list = []
-        self._n = 0
-
-    def _name(self, hint: str) -> str:
-        self._n += 1
-        return f"{hint}_{self._n}"
-
-    def const(self, value: float | list[int], dtype=TensorProto.FLOAT) -> str:
-        out = self._name("c")
-        dims = [len(value)] if isinstance(value, list) else []
-        vals = value if isinstance(value, list) else [value]
-        self.nodes.append(helper.make_node("Constant", [], [out], value=helper.make_tensor(out, dtype, dims, vals)))
-        return out
-
-    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs) -> str:
-        out = out or self._name(op_type.lower())
-        self.nodes.append(helper.make_node(op_type, list(inputs), [out], **attrs))
-        return out
-
-
-def _stored_scale(b: _Body, raw: str, out: str) -> str:
+def _stored_scale(b: OnnxGraph, raw: str, out: str) -> str:
     """bfloat16-rounded scale, 0 -> 1 (codec._stored_scale)."""
     s = b.op("Cast", b.op("Cast", raw, to=TensorProto.BFLOAT16), to=TensorProto.FLOAT)
     return b.op("Where", b.op("Greater", s, b.const(0.0)), s, b.const(1.0), out=out)
 
 
-def _absmax(b: _Body, x: str) -> str:
+def _absmax(b: OnnxGraph, x: str) -> str:
     return b.op("ReduceMax", b.op("Abs", x), b.const([-1], TensorProto.INT64), keepdims=1)
 
 
-def _quantize(b: _Body, x: str, spec: CodecSpec) -> tuple[list[str], str]:
+def _quantize(b: OnnxGraph, x: str, spec: CodecSpec) -> tuple[list[str], str]:
     """Base quantizer; returns (output names, the dequantized tensor name)."""
     if spec.base == "fp8":
         scale = _stored_scale(b, b.op("Div", _absmax(b, x), b.const(FP8_MAX)), "scale")
@@ -89,7 +66,7 @@ def _quantize(b: _Body, x: str, spec: CodecSpec) -> tuple[list[str], str]:
     return ["codes", "scale"], deq
 
 
-def _residual(b: _Body, r: str) -> list[str]:
+def _residual(b: OnnxGraph, r: str) -> list[str]:
     absmax = _absmax(b, r)
     scale = _stored_scale(b, b.op("Div", absmax, b.const(2.0)), "rscale_q")
     q = b.op("Clip", b.op("Add", b.op("Floor", b.op("Div", r, scale)), b.const(2.0)), b.const(0.0), b.const(3.0))
@@ -104,7 +81,7 @@ def _check(spec: CodecSpec) -> None:
                          "reference but no ONNX form")
 
 
-def _sanitize(b: _Body, x: str) -> str:
+def _sanitize(b: OnnxGraph, x: str) -> str:
     """NaN -> 0, ±Inf -> ±(largest finite |x| of the row) (codec.sanitize)."""
     nan, inf = b.op("IsNaN", x), b.op("IsInf", x)
     finite = b.op("Not", b.op("Or", nan, inf))
@@ -117,7 +94,7 @@ def _sanitize(b: _Body, x: str) -> str:
 def encode_function(spec: CodecSpec) -> FunctionProto:
     """Equals ``codec.encode`` on groups (sanitize, quantize, residual)."""
     _check(spec)
-    b = _Body()
+    b = OnnxGraph()
     x = _sanitize(b, "x")
     outputs, deq = _quantize(b, x, spec)
     if spec.residual_bits:
@@ -128,7 +105,7 @@ def encode_function(spec: CodecSpec) -> FunctionProto:
 
 def decode_function(spec: CodecSpec) -> FunctionProto:
     _check(spec)
-    b = _Body()
+    b = OnnxGraph()
     inputs = ["codes", "scale"] + (["zero"] if spec.asym else []) + (["rcodes", "rscale"] if spec.residual_bits else [])
     codes = b.op("Cast", "codes", to=TensorProto.FLOAT)  # FP8 codes are typed float8e4m3fn: a value cast
     if spec.base == "fp8":
@@ -180,18 +157,14 @@ def codec_model(kind: str, spec: CodecSpec) -> ModelProto:
 # --- page-level decode: the byte layout of codec.encode_pages -> K, V ----------------------------
 
 
-def _lut(b: _Body, values) -> str:
+def _lut(b: OnnxGraph, values) -> str:
     """A float32 lookup table (1-D numpy array) as a Constant node."""
     import numpy as np
-    from onnx import numpy_helper
 
-    out = b._name("lut")
-    b.nodes.append(helper.make_node("Constant", [], [out],
-                                    value=numpy_helper.from_array(np.ascontiguousarray(values, np.float32), out)))
-    return out
+    return b.array(np.asarray(values, np.float32), "lut")
 
 
-def _byte_luts(b: _Body) -> dict[str, str]:
+def _byte_luts(b: OnnxGraph) -> dict[str, str]:
     """Exact byte -> float32 tables: 'fp8' (256 E4M3 codes), 'bf16' and 'f16' (65536 patterns
     each, indexed by the little-endian 16-bit word). ONNX has no bitcast; a Gather into an exact
     table decodes stored bit patterns without rounding."""
@@ -204,13 +177,13 @@ def _byte_luts(b: _Body) -> dict[str, str]:
             "f16": _lut(b, words.astype(np.uint16).view(np.float16).astype(np.float32))}
 
 
-def _section(b: _Body, data: str, sec: dict[str, int]) -> str:
+def _section(b: OnnxGraph, data: str, sec: dict[str, int]) -> str:
     i64 = TensorProto.INT64
     return b.op("Slice", data, b.const([sec["offset"]], i64), b.const([sec["offset"] + sec["bytes"]], i64),
                 b.const([1], i64))
 
 
-def _unpack(b: _Body, raw: str, bits: int, count: int) -> str:
+def _unpack(b: OnnxGraph, raw: str, bits: int, count: int) -> str:
     """Packed codes [N, nbytes] uint8 -> the first ``count`` codes [N, count] int64 (codec.unpack)."""
     i64 = TensorProto.INT64
     x = b.op("Cast", raw, to=i64)
@@ -230,19 +203,15 @@ def _unpack(b: _Body, raw: str, bits: int, count: int) -> str:
     return b.op("Slice", x, b.const([0], i64), b.const([count], i64), b.const([1], i64))
 
 
-def digits(b: _Body, src: str, base: int, per: int) -> str:
+def digits(b: OnnxGraph, src: str, base: int, per: int) -> str:
     """Non-negative int64 values [...] -> their ``per`` little-endian base-``base`` digits
     [..., per] (int64): digit i is src // base^i mod base."""
     i64 = TensorProto.INT64
     powers = b.const([base ** i for i in range(per)], i64)
-    return b.op("Mod", b.op("Div", _unsqueeze(b, src, -1), powers), b.const(base, i64))
+    return b.op("Mod", b.op("Div", b.unsqueeze(src, -1), powers), b.const(base, i64))
 
 
-def _unsqueeze(b: _Body, x: str, *axes: int) -> str:
-    return b.op("Unsqueeze", x, b.const(list(axes), TensorProto.INT64))
-
-
-def _words(b: _Body, raw: str, lut: str, count: int) -> str:
+def _words(b: OnnxGraph, raw: str, lut: str, count: int) -> str:
     """``count`` little-endian 16-bit words [N, 2 count] bytes -> their float32 values [N, count]
     through ``lut``."""
     i64 = TensorProto.INT64
@@ -263,7 +232,7 @@ def decode_pages_function(spec: CodecSpec, page_shape: tuple[int, int, int]) -> 
     i64 = TensorProto.INT64
     layout = page_layout(spec, kvh, p, d)
     vals = kvh * p * d
-    b = _Body()
+    b = OnnxGraph()
     luts = _byte_luts(b)
     for role, out in (("k", "k"), ("v", "v")):
         axis = spec.key_axis if role == "k" else spec.value_axis

@@ -26,8 +26,9 @@ from onnx import AttributeProto, FunctionProto, ModelProto, TensorProto, helper
 
 from tieredkv.plugins.codec import CODECS, page_bytes
 from tieredkv.plugins.importance_score import EXACT_TOKENS
-from tieredkv.plugins.onnx_codec import (DOMAIN, OPSET, PLUGIN_NAMESPACE, PLUGIN_VERSION, _Body, _unsqueeze,
-                                         decode_pages_function, decode_pages_op_type, digits)
+from tieredkv.plugins.onnx_codec import (DOMAIN, OPSET, PLUGIN_NAMESPACE, PLUGIN_VERSION, decode_pages_function,
+                                         decode_pages_op_type, digits)
+from tieredkv.plugins.onnx_graph import OnnxGraph
 
 __all__ = ["DOMAIN", "PLUGIN_NAMESPACE", "PLUGIN_VERSION", "OPSET", "TIERED_ATTENTION", "IMPORTANCE_SCORE",
            "SELECT_PAGES", "KV_APPEND", "TOPK_LIMIT", "tiered_attention_function", "tiered_attention_model",
@@ -50,10 +51,10 @@ _F32 = TensorProto.FLOAT
 # --- body-building helpers ------------------------------------------------------------------
 
 
-def _attr_const(b: _Body, attr: str, kind: str) -> str:
+def _attr_const(b: OnnxGraph, attr: str, kind: str) -> str:
     """A Constant whose value is the calling node's attribute ``attr`` (``kind``: value_float /
     value_floats)."""
-    out = b._name(attr)
+    out = b.fresh(attr)
     node = helper.make_node("Constant", [], [out])
     attr_type = AttributeProto.FLOAT if kind == "value_float" else AttributeProto.FLOATS
     node.attribute.append(helper.make_attribute_ref(kind, attr_type, ref_attr_name=attr))
@@ -61,21 +62,16 @@ def _attr_const(b: _Body, attr: str, kind: str) -> str:
     return out
 
 
-def _dim(b: _Body, x: str, i: int) -> str:
-    """Dimension i of x as a 1-D int64 tensor of one element (ready for Concat)."""
-    return b.op("Shape", x, start=i, end=i + 1)
-
-
-def _shape(b: _Body, *dims: str) -> str:
+def _shape(b: OnnxGraph, *dims: str) -> str:
     return b.op("Concat", *dims, axis=0)
 
 
-def _scalar(b: _Body, one: str) -> str:
+def _scalar(b: OnnxGraph, one: str) -> str:
     """[1] -> [] (for Range)."""
     return b.op("Squeeze", one, b.const([0], _I64))
 
 
-def _masked_softmax(b: _Body, logits: str, allowed: str) -> tuple[str, str]:
+def _masked_softmax(b: OnnxGraph, logits: str, allowed: str) -> tuple[str, str]:
     """Softmax over the last axis of ``logits`` restricted to ``allowed`` (bool, broadcastable).
     Rows with no allowed entry give probabilities 0 and log-sum-exp -inf (no NaN).
     Returns (probs, lse with keepdims=1)."""
@@ -90,7 +86,7 @@ def _masked_softmax(b: _Body, logits: str, allowed: str) -> tuple[str, str]:
     return probs, lse
 
 
-def _word_bytes(b: _Body, words: str, nbytes: int) -> str:
+def _word_bytes(b: OnnxGraph, words: str, nbytes: int) -> str:
     """int32 words [N, nbytes / 4] -> their little-endian bytes [N, nbytes] uint8 (ONNX has no
     bitcast: each word's unsigned value, divided by 256^j, modulo 256, is byte j)."""
     unsigned = b.op("BitwiseAnd", b.op("Cast", words, to=_I64), b.const(0xFFFFFFFF, _I64))
@@ -98,7 +94,7 @@ def _word_bytes(b: _Body, words: str, nbytes: int) -> str:
     return b.op("Reshape", b.op("Cast", byte, to=TensorProto.UINT8), b.const([-1, nbytes], _I64))
 
 
-def _function(name: str, inputs: list[str], outputs: list[str], b: _Body, attrs: list[str], *,
+def _function(name: str, inputs: list[str], outputs: list[str], b: OnnxGraph, attrs: list[str], *,
               calls_domain: bool = False, plugin: bool = True) -> FunctionProto:
     """``calls_domain``: the body calls other functions of the tieredkv domain; ``plugin``: the
     op has a TensorRT plugin (its nodes carry the plugin attributes)."""
@@ -138,7 +134,8 @@ def tiered_attention_function(warm_codec: str | None = None,
     """``tieredkv::TieredAttention`` (attribute ``scale``: float), equal to
     ``tiered_attention(..., scale=scale)``.
 
-    Inputs: q [B, H, T, D] float32; k_pool, v_pool [C, KVH, P, D] float32; page_table [B, M]
+    Inputs: q [B, H, T, D] float32; k_pool, v_pool [C, KVH, P, D] float32, float16 or bfloat16
+    (one type; the listed pages are read in float32, as the plugin does); page_table [B, M]
     int64; page_mask [B, M] int32 (nonzero = kept: TensorRT plugins take no bool tensors);
     page_index [B, M] int64; seq_len [B] int64; past [B] int64.
     Outputs: out [B, H, T, D] float32 (0 for a query that sees no key), lse [B, H, T] float32
@@ -157,10 +154,10 @@ def tiered_attention_function(warm_codec: str | None = None,
     """
     if (warm_codec is None) != (page_shape is None):
         raise ValueError("warm_codec and page_shape go together")
-    b = _Body()
-    B, H, T, D = (_dim(b, "q", i) for i in range(4))
-    KVH, P = _dim(b, "k_pool", 1), _dim(b, "k_pool", 2)
-    M = _dim(b, "page_table", 1)
+    b = OnnxGraph()
+    B, H, T, D = (b.dim("q", i) for i in range(4))
+    KVH, P = b.dim("k_pool", 1), b.dim("k_pool", 2)
+    M = b.dim("page_table", 1)
     G = b.op("Div", H, KVH)
     MP = b.op("Mul", M, P)
     one = b.const([1], _I64)
@@ -174,14 +171,15 @@ def tiered_attention_function(warm_codec: str | None = None,
         idx = b.op("Transpose", b.op("NonZero", take), perm=[1, 0])  # [N, 2] (b, m) of the kept warm pages
         words = b.op("Gather", "warm_pool", b.op("GatherND", "warm_row", idx), axis=0)  # [N, NB / 4] int32
         enc = _word_bytes(b, words, page_bytes(CODECS[warm_codec], *page_shape))  # [N, NB] uint8
-        k_dec, v_dec = b._name("warm_k"), b._name("warm_v")
+        k_dec, v_dec = b.fresh("warm_k"), b.fresh("warm_v")
         b.nodes.append(helper.make_node(decode_pages_op_type(CODECS[warm_codec]), [enc], [k_dec, v_dec],
                                         domain=DOMAIN))
-        for pool, dec in (("k_pool", k_dec), ("v_pool", v_dec)):
-            gathered[pool] = b.op("ScatterND", gathered[pool], idx, dec)
+        for pool, dec in (("k_pool", k_dec), ("v_pool", v_dec)):  # decoded values in the pools' type
+            gathered[pool] = b.op("ScatterND", gathered[pool], idx, b.op("CastLike", dec, gathered[pool]))
 
-    def pages(pool: str) -> str:
-        return b.op("Reshape", b.op("Transpose", gathered[pool], perm=[0, 2, 1, 3, 4]), kv_shape)
+    def pages(pool: str) -> str:  # the listed pages in float32, whatever the pools' type
+        pages = b.op("Cast", gathered[pool], to=_F32)
+        return b.op("Reshape", b.op("Transpose", pages, perm=[0, 2, 1, 3, 4]), kv_shape)
 
     k, v = pages("k_pool"), pages("v_pool")
     qg = b.op("Reshape", "q", _shape(b, B, KVH, G, T, D))
@@ -189,13 +187,13 @@ def tiered_attention_function(warm_codec: str | None = None,
     logits = b.op("Mul", b.op("MatMul", qg, b.op("Transpose", k, perm=[0, 1, 2, 4, 3])), scale)  # [B,KVH,G,T,MP]
     # key position of slot o of listed page m: page_index * P + o -> [B, M*P]
     p_range = b.op("Range", b.const(0, _I64), _scalar(b, P), b.const(1, _I64))
-    key_pos = b.op("Reshape", b.op("Add", b.op("Mul", _unsqueeze(b, "page_index", 2), P), p_range), _shape(b, B, MP))
-    mask_mp = b.op("Reshape", b.op("Expand", _unsqueeze(b, page_mask, 2), _shape(b, B, M, P)), _shape(b, B, MP))
-    valid = b.op("And", mask_mp, b.op("Less", key_pos, _unsqueeze(b, "seq_len", 1)))  # [B, MP]
+    key_pos = b.op("Reshape", b.op("Add", b.op("Mul", b.unsqueeze("page_index", 2), P), p_range), _shape(b, B, MP))
+    mask_mp = b.op("Reshape", b.op("Expand", b.unsqueeze(page_mask, 2), _shape(b, B, M, P)), _shape(b, B, MP))
+    valid = b.op("And", mask_mp, b.op("Less", key_pos, b.unsqueeze("seq_len", 1)))  # [B, MP]
     t_range = b.op("Range", b.const(0, _I64), _scalar(b, T), b.const(1, _I64))
-    q_pos = b.op("Add", _unsqueeze(b, "past", 1), t_range)  # [B, T]
-    causal = b.op("LessOrEqual", _unsqueeze(b, key_pos, 1), _unsqueeze(b, q_pos, 2))  # [B, T, MP]
-    allowed = b.op("And", _unsqueeze(b, valid, 1), causal)
+    q_pos = b.op("Add", b.unsqueeze("past", 1), t_range)  # [B, T]
+    causal = b.op("LessOrEqual", b.unsqueeze(key_pos, 1), b.unsqueeze(q_pos, 2))  # [B, T, MP]
+    allowed = b.op("And", b.unsqueeze(valid, 1), causal)
     allowed = b.op("Reshape", allowed, _shape(b, B, one, one, T, MP))
     probs, lse = _masked_softmax(b, logits, allowed)  # [B,KVH,G,T,MP], [B,KVH,G,T,1]
     b.op("Reshape", b.op("MatMul", probs, v), _shape(b, B, H, T, D), out="out")
@@ -219,12 +217,13 @@ def warm_functions(warm_codec: str | None, page_shape: tuple[int, int, int] | No
 
 
 def tiered_attention_model(scale: float, *, warm_codec: str | None = None,
-                           page_shape: tuple[int, int, int] | None = None) -> ModelProto:
+                           page_shape: tuple[int, int, int] | None = None,
+                           pool_dtype: int = TensorProto.FLOAT) -> ModelProto:
     """A one-node model running TieredAttention (all sizes dynamic but, with a warm codec, the
-    page shape; the model passes ``scale = D ** -0.5``)."""
+    page shape; the model passes ``scale = D ** -0.5``) on pools of ``pool_dtype``."""
     f, i64, i32 = _F32, _I64, TensorProto.INT32
     pool = ["C", "KVH", "P", "D"] if page_shape is None else ["C", *page_shape]
-    ins = [("q", f, ["B", "H", "T", "D"]), ("k_pool", f, pool), ("v_pool", f, pool),
+    ins = [("q", f, ["B", "H", "T", "D"]), ("k_pool", pool_dtype, pool), ("v_pool", pool_dtype, pool),
            ("page_table", i64, ["B", "M"]), ("page_mask", i32, ["B", "M"]), ("page_index", i64, ["B", "M"]),
            ("seq_len", i64, ["B"]), ("past", i64, ["B"])]
     attrs = {"scale": float(scale)}
@@ -244,14 +243,14 @@ def tiered_attention_model(scale: float, *, warm_codec: str | None = None,
 _SCORE_INPUTS = ["q", "kmin", "kmax", "page_tokens", "distance", "saliency", "page_mask", "position_table"]
 
 
-def _distance_bucket(b: _Body, distance: str, num_buckets: str) -> str:
+def _distance_bucket(b: OnnxGraph, distance: str, num_buckets: str) -> str:
     """bucket = #{i in 1..NB-1 : d >= 16 * 2^(i-1)} (int64, same shape as ``distance``): the
     log-spaced bucket of `importance.distance_bucket` computed with exact comparisons (float64
     thresholds: exact for distances below 2^53). Negative distances fall in bucket 0."""
     i = b.op("Cast", b.op("Range", b.const(1, _I64), num_buckets, b.const(1, _I64)), to=TensorProto.DOUBLE)
     thr = b.op("Mul", b.const(float(EXACT_TOKENS), TensorProto.DOUBLE),
                b.op("Pow", b.const(2.0, TensorProto.DOUBLE), b.op("Sub", i, b.const(1.0, TensorProto.DOUBLE))))
-    d = _unsqueeze(b, b.op("Cast", distance, to=TensorProto.DOUBLE), -1)
+    d = b.unsqueeze(b.op("Cast", distance, to=TensorProto.DOUBLE), -1)
     return b.op("ReduceSum", b.op("Cast", b.op("GreaterOrEqual", d, thr), to=_I64), b.const([-1], _I64), keepdims=0)
 
 
@@ -263,10 +262,10 @@ def importance_score_function() -> FunctionProto:
     distance [B, M] int64; saliency [B, M] float32; page_mask [B, M] int32 (nonzero: the page
     competes); position_table [NB] float32. Output: score [B, M] float32 (0 where page_mask is 0).
     """
-    b = _Body()
+    b = OnnxGraph()
     page_mask = b.op("Cast", "page_mask", to=TensorProto.BOOL)
-    B, H, D = (_dim(b, "q", i) for i in range(3))
-    KVH, M = _dim(b, "kmin", 2), _dim(b, "kmin", 1)
+    B, H, D = (b.dim("q", i) for i in range(3))
+    KVH, M = b.dim("kmin", 2), b.dim("kmin", 1)
     G = b.op("Div", H, KVH)
     zero = b.const(0.0)
     # relevance: Quest upper bound sum_d max(q*lo, q*hi) = relu(q) @ hi - relu(-q) @ lo
@@ -276,13 +275,13 @@ def importance_score_function() -> FunctionProto:
     ub = b.op("Sub", b.op("MatMul", b.op("Relu", qg), hi), b.op("MatMul", b.op("Relu", b.op("Neg", qg)), lo))
     ub = b.op("Reshape", ub, _shape(b, B, H, M))
     log_len = b.op("Log", b.op("Max", b.op("Cast", "page_tokens", to=_F32), b.const(1.0)))
-    ub = b.op("Add", b.op("Mul", ub, _attr_const(b, "scale", "value_float")), _unsqueeze(b, log_len, 1))
-    share, _ = _masked_softmax(b, ub, _unsqueeze(b, page_mask, 1))  # [B, H, M]
+    ub = b.op("Add", b.op("Mul", ub, _attr_const(b, "scale", "value_float")), b.unsqueeze(log_len, 1))
+    share, _ = _masked_softmax(b, ub, b.unsqueeze(page_mask, 1))  # [B, H, M]
     share = b.op("ReduceMax", share, b.const([1], _I64), keepdims=0)  # [B, M]
     best = b.op("Max", b.op("ReduceMax", share, b.const([-1], _I64), keepdims=1), b.const(1e-30))
     rel = b.op("Div", share, best)
     # position: learned value of the distance's log-spaced bucket, clamped to [0, 1]
-    nb = _scalar(b, _dim(b, "position_table", 0))
+    nb = _scalar(b, b.dim("position_table", 0))
     pos = b.op("Clip", b.op("Gather", "position_table", _distance_bucket(b, "distance", nb), axis=0), zero,
                b.const(1.0))
     w = _attr_const(b, "weights", "value_floats")
@@ -323,8 +322,8 @@ def select_pages_function() -> FunctionProto:
     TensorRT's TopK limit (K <= :data:`TOPK_LIMIT`) holds for any context as long as the budget
     beyond T0 stays within it (the TensorRT backend checks).
     """
-    b = _Body()
-    m = _dim(b, "score", 1)
+    b = OnnxGraph()
+    m = b.dim("score", 1)
     count = lambda x: b.op("ReduceSum", b.op("Cast", x, to=_I64), b.const([1], _I64), keepdims=0)  # noqa: E731
     pinned = b.op("And", "pinned", "valid")
     cand = b.op("And", "valid", b.op("Not", "pinned"))
@@ -333,13 +332,13 @@ def select_pages_function() -> FunctionProto:
     every = b.op("GreaterOrEqual", "attend_pages", count("valid"))  # [B]
     need = b.op("Where", every, b.const(0, _I64), extra)
     k = b.op("Min", b.op("Max", b.op("ReduceMax", need, b.const([0], _I64), keepdims=1), b.const([1], _I64)), m)
-    values, order = b._name("topk_values"), b._name("topk_order")
+    values, order = b.fresh("topk_values"), b.fresh("topk_order")
     b.nodes.append(helper.make_node("TopK", [ranked, k], [values, order], axis=-1, largest=1, sorted=1))
-    rank = _unsqueeze(b, b.op("Range", b.const(0, _I64), _scalar(b, k), b.const(1, _I64)), 0)  # [1, K]
-    within = b.op("Cast", b.op("Less", rank, _unsqueeze(b, extra, 1)), to=_I64)  # [B, K]
+    rank = b.unsqueeze(b.op("Range", b.const(0, _I64), _scalar(b, k), b.const(1, _I64)), 0)  # [1, K]
+    within = b.op("Cast", b.op("Less", rank, b.unsqueeze(extra, 1)), to=_I64)  # [B, K]
     zeros = b.op("ConstantOfShape", b.op("Shape", "score"), value=helper.make_tensor("zero", _I64, [1], [0]))
     top = b.op("And", cand, b.op("Cast", b.op("ScatterElements", zeros, order, within, axis=1), to=TensorProto.BOOL))
-    b.op("And", "valid", b.op("Or", b.op("Or", pinned, _unsqueeze(b, every, 1)), top), out="selected")
+    b.op("And", "valid", b.op("Or", b.op("Or", pinned, b.unsqueeze(every, 1)), top), out="selected")
     return _function(SELECT_PAGES, _SELECT_INPUTS, ["selected"], b, [], plugin=False)
 
 
@@ -364,13 +363,13 @@ def kv_append_function() -> FunctionProto:
     int64; offset [N] int64. Outputs: k_pool_out, v_pool_out [C, KVH, P, D]. One ScatterND
     per pool with indices [N, KVH, 3] = (slot[n], h, offset[n]) and updates [N, KVH, D].
     """
-    b = _Body()
-    N, KVH = _dim(b, "k_new", 0), _dim(b, "k_new", 1)
+    b = OnnxGraph()
+    N, KVH = b.dim("k_new", 0), b.dim("k_new", 1)
     shape = _shape(b, N, KVH, b.const([1], _I64))
     h = b.op("Range", b.const(0, _I64), _scalar(b, KVH), b.const(1, _I64))
-    parts = [b.op("Expand", _unsqueeze(b, "slot", 1, 2), shape),
-             b.op("Expand", _unsqueeze(b, h, 0, 2), shape),
-             b.op("Expand", _unsqueeze(b, "offset", 1, 2), shape)]
+    parts = [b.op("Expand", b.unsqueeze("slot", 1, 2), shape),
+             b.op("Expand", b.unsqueeze(h, 0, 2), shape),
+             b.op("Expand", b.unsqueeze("offset", 1, 2), shape)]
     idx = b.op("Concat", *parts, axis=-1)  # [N, KVH, 3]
     b.op("ScatterND", "k_pool", idx, "k_new", out="k_pool_out")
     b.op("ScatterND", "v_pool", idx, "v_new", out="v_pool_out")

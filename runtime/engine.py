@@ -38,15 +38,17 @@ from tieredkv.plugins.codec import CODECS
 
 __all__ = ["ENGINE_FORMAT", "ENGINE_FORMAT_VERSION", "CONFIG_FILE", "STEP_GRAPH", "TRT_ENGINE", "EngineInfo",
            "EngineError", "BackendUnavailableError", "read_engine_dir", "OnnxRuntimeBackend", "TensorRTBackend",
-           "load_backend", "load_engine", "BACKENDS"]
+           "load_backend", "load_engine", "BACKENDS", "ENGINE_DTYPES", "layers_not_appended_in_place"]
 
 ENGINE_FORMAT = "tieredkv-engine"
-ENGINE_FORMAT_VERSION = 2
+ENGINE_FORMAT_VERSION = 3  # 3: build.precision (float16 pools and activations)
 CONFIG_FILE = "config.json"
 STEP_GRAPH = "step.onnx"
 TRT_ENGINE = "step.plan"
 #: the TensorRT plugin library to load when none is passed (``TensorRTBackend(plugin_library=)``)
 PLUGINS_ENV = "TIEREDKV_TRT_PLUGINS"
+#: an engine's ``build.precision`` -> the dtype of its weights, K/V pools and activations
+ENGINE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
 class EngineError(TieredKVError):
@@ -71,6 +73,11 @@ class EngineInfo:
     graph: Path
     tensorrt_engine: Path | None
     raw: dict[str, Any]
+    #: the dtype of the graph's K/V pools and new K/V (``build.precision``)
+    kv_dtype: torch.dtype = torch.float32
+    #: the largest attention budget (pages per sequence and layer) the engine's TensorRT TopK
+    #: was built for (``build.max_attention_pages``; None: no bound recorded)
+    max_attention_pages: int | None = None
 
 
 def _inside(root: Path, name: object, what: str) -> Path:
@@ -120,6 +127,9 @@ def read_engine_dir(path: str | Path) -> EngineInfo:
             raise EngineError(f"{cfg_file}: op versions {short(versions)}; this tieredkv runs version {PLUGIN_VERSION} "
                               "of every op: rebuild the engine")
         tiered, page_size, weights = raw["tiered_kv"], build["page_size"], build["selection_weights"]
+        precision, max_pages = build["precision"], build.get("max_attention_pages")
+        if precision not in ENGINE_DTYPES:
+            raise EngineError(f"{cfg_file}: build.precision {short(precision)}; expected one of {sorted(ENGINE_DTYPES)}")
         if not isinstance(tiered, bool) or isinstance(page_size, bool) or not isinstance(page_size, int) \
                 or not isinstance(weights, list) or len(weights) != 3 \
                 or not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights):
@@ -128,7 +138,8 @@ def read_engine_dir(path: str | Path) -> EngineInfo:
         info = EngineInfo(path=path, model=model, tiered_kv=tiered, page_size=page_size,
                           selection_weights=tuple(float(x) for x in build["selection_weights"]),
                           warm_codec=warm_codec, graph=graph,
-                          tensorrt_engine=path / trt if trt else None, raw=raw)
+                          tensorrt_engine=path / trt if trt else None, raw=raw, kv_dtype=ENGINE_DTYPES[precision],
+                          max_attention_pages=int(max_pages) if max_pages is not None else None)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise EngineError(f"{cfg_file}: incomplete engine config (missing or bad {short(str(exc), 200)})") from None
     if not graph.is_file():
@@ -153,13 +164,16 @@ class _Backend(abc.ABC):
     kv_device = "cpu"
 
     def kv_spec(self) -> KVSpec:
+        """The K/V geometry of the engine: its pools are of the engine's precision, so the tiered
+        cache keeps them in that dtype and binds them as they are."""
         c = self.config
-        return KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, device=self.kv_device)
+        return KVSpec(c.num_layers, c.num_kv_heads, c.head_dim, self.engine.kv_dtype, device=self.kv_device)
 
-    def check_graph(self, inputs: dict[str, list], outputs: dict[str, list]) -> None:
+    def check_graph(self, inputs: dict[str, list], outputs: dict[str, list], pool_type: str | None = None) -> None:
         """The graph is the one config.json describes: the inputs and outputs of an engine with
-        its layers, tiered and warm options (``StepFeeds`` / ``StepOutputs``), and the
-        dimensions its model, page size and codec fix. EngineError otherwise."""
+        its layers, tiered and warm options (``StepFeeds`` / ``StepOutputs``), the dimensions
+        its model, page size and codec fix, and (``pool_type``: ONNX Runtime's type string of
+        k_pool_0) pools of its precision. EngineError otherwise."""
         from tieredkv.plugins.codec import page_bytes
         from tieredkv.runtime.tiered.engine_io import StepFeeds, StepOutputs
 
@@ -178,6 +192,10 @@ class _Backend(abc.ABC):
         if warm:
             fixed["warm_pool_0"] = (1, [page_bytes(CODECS[eng.warm_codec], c.num_kv_heads, eng.page_size,
                                                    c.head_dim) // 4])  # int32 words
+        want_type = {torch.float32: "tensor(float)", torch.float16: "tensor(float16)"}[eng.kv_dtype]
+        if pool_type is not None and pool_type != want_type:
+            raise EngineError(f"{eng.graph}: its pools are {pool_type}; the engine's {CONFIG_FILE} says build.precision "
+                              f"{eng.raw['build']['precision']} ({want_type}); rebuild the engine")
         shapes = {**inputs, **outputs}
         for name, (start, want) in fixed.items():
             got = list(shapes[name][start:])
@@ -226,7 +244,8 @@ class _Backend(abc.ABC):
 
         self.check_cache(cache)
         step = cache.begin_step(seq_ids, tokens.shape[1])
-        feeds = step_feeds(cache, tiered_graph=self.engine.tiered_kv, warm_codec=self.engine.warm_codec)
+        feeds = step_feeds(cache, tiered_graph=self.engine.tiered_kv, warm_codec=self.engine.warm_codec,
+                           kv_dtype=self.engine.kv_dtype)
         feeds.input_ids, feeds.positions = tokens.long(), positions.long()
         t_start = time.perf_counter()
         outputs = StepOutputs.from_dict(self.run(feeds.as_dict()))
@@ -276,7 +295,8 @@ class OnnxRuntimeBackend(_Backend):
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.check_graph({i.name: i.shape for i in self.session.get_inputs()},
-                         {o.name: o.shape for o in self.session.get_outputs()})
+                         {o.name: o.shape for o in self.session.get_outputs()},
+                         next(i.type for i in self.session.get_inputs() if i.name == "k_pool_0"))
 
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         missing = set(self.input_names) - set(feeds)
@@ -296,7 +316,8 @@ class OnnxRuntimeBackend(_Backend):
         return {n: torch.from_numpy(v) for n, v in zip(self.output_names, binding.copy_outputs_to_cpu())}
 
 
-_NP_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_}
+_NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.int32: np.int32,
+              torch.bool: np.bool_}
 
 
 class TensorRTBackend(_Backend):
@@ -337,6 +358,7 @@ class TensorRTBackend(_Backend):
         self.context = self.trt_engine.create_execution_context()
         self.stream = torch.cuda.Stream()
         self.kv_device = "cuda"
+        self._aliasing_checked: set[int] = set()  # profiles whose first step was checked
 
     def check_cache(self, cache: KVCache) -> None:
         """The common checks, and TensorRT's TopK limit: SelectPages ranks the attention budget
@@ -345,11 +367,14 @@ class TensorRTBackend(_Backend):
         from tieredkv.plugins.onnx_ops import TOPK_LIMIT
 
         pages = cache.budgets.attention_pages
-        if pages is not None and pages > TOPK_LIMIT:
-            raise ConfigError(f"attention budget {pages} pages per sequence-layer is over the {TOPK_LIMIT} pages "
-                              f"TensorRT's TopK selects ({TOPK_LIMIT * cache.config.page_size} tokens at page size "
-                              f"{cache.config.page_size}); use a smaller attention_budget, a larger page size, or the "
-                              "onnxruntime / torch backend")
+        limit = min(TOPK_LIMIT, self.engine.max_attention_pages or TOPK_LIMIT)
+        if pages is not None and pages > limit:
+            raise ConfigError(f"attention budget {pages} pages per sequence-layer is over the {limit} pages this "
+                              f"engine's TensorRT TopK selects ({limit * cache.config.page_size} tokens at page size "
+                              f"{cache.config.page_size}; TensorRT's limit is {TOPK_LIMIT}, the engine's "
+                              f"build.max_attention_pages {self.engine.max_attention_pages}); use a smaller "
+                              "attention_budget, rebuild with a larger --max-attention-pages, or the onnxruntime / "
+                              "torch backend")
 
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         trt, eng, ctx = self._trt, self.trt_engine, self.context
@@ -370,14 +395,43 @@ class TensorRTBackend(_Backend):
             if name in keep:
                 continue
             shape = tuple(ctx.get_tensor_shape(name))
-            dtype = {trt.float32: torch.float32, trt.bool: torch.bool, trt.int64: torch.int64,
-                     trt.int32: torch.int32}[eng.get_tensor_dtype(name)]
+            dtype = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bool: torch.bool,
+                     trt.int64: torch.int64, trt.int32: torch.int32}[eng.get_tensor_dtype(name)]
             outputs[name] = torch.empty(shape, dtype=dtype, device="cuda")
             ctx.set_tensor_address(name, outputs[name].data_ptr())
         if not ctx.execute_async_v3(self.stream.cuda_stream):
             raise EngineError("TensorRT failed to run the step")
         self.stream.synchronize()
+        if profile not in self._aliasing_checked:
+            layers = layers_not_appended_in_place(keep, outputs)
+            if layers:
+                raise EngineError(
+                    f"{self.engine.tensorrt_engine}: KVAppend did not write layer(s) {short(layers)} into the bound "
+                    "pools in place: TensorRT gave its outputs other buffers, so every step copies every pool. "
+                    "Rebuild the engine with TensorRT >= 10.7 (the builder enables "
+                    "PreviewFeature.ALIASED_PLUGIN_IO_10_03) and the tieredkv plugin library")
+            self._aliasing_checked.add(profile)
         return {n: t.cpu() for n, t in outputs.items()}
+
+
+def layers_not_appended_in_place(inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> list[int]:
+    """The layers whose bound pools (``inputs``: the graph's inputs as bound, ``k_pool_<l>``,
+    ``v_pool_<l>``, ``write_slot``, ``write_offset``) do not hold the step's new K/V (``outputs``:
+    ``k_new``, ``v_new`` [L, B, KVH, T, D]) at the slots written: KVAppend's outputs alias its
+    inputs, so after an engine step the pools themselves hold the new rows (bit for bit)."""
+    slot, offset = inputs["write_slot"], inputs["write_offset"].reshape(-1)  # [L, B, T], [B*T]
+    bad = []
+    for layer in range(slot.shape[0]):
+        rows = slot[layer].reshape(-1)
+        for kind in ("k", "v"):
+            pool = inputs[f"{kind}_pool_{layer}"]
+            new = outputs[f"{kind}_new"][layer]  # [B, KVH, T, D]
+            want = new.permute(0, 2, 1, 3).reshape(-1, *new.shape[1:2], new.shape[-1])  # [B*T, KVH, D]
+            got = pool[rows.to(pool.device), :, offset.to(pool.device)]
+            if not torch.equal(got, want.to(got.device)):
+                bad.append(layer)
+                break
+    return bad
 
 
 BACKENDS = {"onnxruntime": OnnxRuntimeBackend, "tensorrt": TensorRTBackend}

@@ -2,7 +2,8 @@
 test_cuda_ops.py): one CMake build of the CUDA libraries per test session, and
 libtieredkv_kernels.so of that build loaded through ``tieredkv.plugins.cuda_ops`` (its ctypes
 binding). Building needs nvcc and cmake, no GPU (a few minutes on two cores: the TieredAttention
-split kernels are 24 instantiations); the TensorRT plugin library is built too when
+split kernels are 24 instantiations); the TensorRT plugin library and its harness
+(libtieredkv_trt_harness.so, tests/plugins/test_trt_plugins.py) are built too when
 ``TRT_INCLUDE_DIR`` names a directory holding NvInfer.h. A build with a compiler warning fails."""
 
 from __future__ import annotations

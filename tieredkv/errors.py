@@ -76,6 +76,12 @@ class EngineBuildError(TieredKVError):
     --force) or cannot be written, a missing plugin library or plugin creator."""
 
 
+class TopKLimitError(EngineBuildError):
+    """A tiered engine would ask TensorRT's TopK for more than its largest K (3840): the
+    attention budget it is built for (``--max-attention-pages``, by default every page of
+    ``--max-context``) is over the limit."""
+
+
 class KernelLibraryError(TieredKVError):
     """libtieredkv_kernels.so (the CUDA kernels' C ABI, bound by tieredkv.plugins.cuda_ops) is
     missing, cannot be loaded, or does not match the binding."""

@@ -4,13 +4,15 @@ tiered runtime, same prompts, same budgets.
 
     python tools/bench_engine.py [--engine-dir results/engine_smollm2] [--rebuild]
         [--prompt-lens 512 2048] [--budgets full 25%] [--new-tokens 32] [--repeats 2]
-        [--warm-codec int4 --warm-fraction 0.75] [--threads 2] [--out results/engine_bench]
+        [--warm-codec int4 --warm-fraction 0.75] [--precision fp32] [--threads 2] [--out results/engine_bench]
 
 With ``--warm-codec`` the engine is built with that codec (its attention reads warm pages
 from their bytes) and the budgeted rows run with float16 pages and the warm sub-tier
 (``warm_fraction`` of the device bytes beyond T0 compressed).
 
-The engine is built with ``builder/build_engine.py --tiered-kv`` (its own timing, including
+The engine is built with ``builder/build_engine.py --tiered-kv --precision fp32`` (the
+float32 graph, whose tokens the float32 torch backend gives exactly; ``--precision fp16``
+builds the float16 one) (its own timing, including
 the onnx checker and the ONNX Runtime verification, is read from config.json). Prompts are
 the Paul Graham essays; one sequence; greedy with EOS ignored. Reported: median over
 repeats of prefill tok/s and decode tok/s per backend, prompt length and device budget
@@ -51,6 +53,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--warm-codec", default=None, help="build the engine with this warm codec; budgeted rows use it")
     ap.add_argument("--warm-fraction", type=float, default=0.75)
+    ap.add_argument("--precision", choices=["fp32", "fp16"], default="fp32", help="the engine's precision")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out", type=Path, default=Path("results/engine_bench"))
     args = ap.parse_args()
@@ -58,11 +61,13 @@ def main() -> int:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
 
     source = resolve_model(None, log=log)
-    built_codec = None
+    built = None
     if (args.engine_dir / "config.json").is_file():
-        built_codec = json.loads((args.engine_dir / "config.json").read_text())["build"].get("warm_codec")
-    if args.rebuild or not (args.engine_dir / "config.json").is_file() or built_codec != args.warm_codec:
-        argv = ["--tiered-kv", "--model", str(source), "--output", str(args.engine_dir), "--force"]
+        cfg = json.loads((args.engine_dir / "config.json").read_text())["build"]
+        built = (cfg.get("warm_codec"), cfg.get("precision"))
+    if args.rebuild or built != (args.warm_codec, args.precision):
+        argv = ["--tiered-kv", "--model", str(source), "--output", str(args.engine_dir), "--force",
+                "--precision", args.precision]
         if args.warm_codec:
             argv += ["--warm-codec", args.warm_codec]
         t_start = time.perf_counter()

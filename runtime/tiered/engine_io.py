@@ -37,9 +37,12 @@ from tieredkv.plugins.select_pages import ATTEND_ALL
 #: with a warm codec (--warm-codec); ``"runtime"``: none — what the runtime keeps from
 #: :func:`step_feeds` for :func:`finish_step`
 GRAPHS = ("all", "tiered", "warm", "runtime")
+#: the dtype of the K/V tensors (pools, new K/V): the engine's precision (float32 or float16,
+#: ``config.json``'s ``build.precision``), the dtype of the tiered cache's pools for the engine
+KV_DTYPE = "kv"
 
 
-def tensor(dtype: torch.dtype, dims: tuple[str, ...], doc: str, *, graphs: str = "all",
+def tensor(dtype: torch.dtype | str, dims: tuple[str, ...], doc: str, *, graphs: str = "all",
            per_layer: bool = False) -> Any:
     """One input or output of the step graph."""
     return field(default=None, metadata={"dtype": dtype, "dims": dims, "doc": doc, "graphs": graphs,
@@ -121,9 +124,9 @@ class StepFeeds(_GraphTensors):
     page_warm_row: torch.Tensor = tensor(torch.int64, ("L", "B", "M"), "row of the layer's warm pool holding the "
                                          "listed page, or -1 (read from k_pool / v_pool; a warm page's page_table "
                                          "entry is ignored)", graphs="warm")
-    k_pool: list[torch.Tensor] = tensor(torch.float32, ("C{l}", "KVH", "P", "D"), "the layer's key page pool",
+    k_pool: list[torch.Tensor] = tensor(KV_DTYPE, ("C{l}", "KVH", "P", "D"), "the layer's key page pool",
                                         per_layer=True)
-    v_pool: list[torch.Tensor] = tensor(torch.float32, ("C{l}", "KVH", "P", "D"), "the layer's value page pool",
+    v_pool: list[torch.Tensor] = tensor(KV_DTYPE, ("C{l}", "KVH", "P", "D"), "the layer's value page pool",
                                         per_layer=True)
     warm_pool: list[torch.Tensor] = tensor(torch.int32, ("W{l}", "PW"), "the layer's warm pages, encoded with the "
                                            "codec in the byte layout of codec.encode_pages (docs/codec.md), as "
@@ -140,9 +143,9 @@ class StepOutputs(_GraphTensors):
     """The outputs of an engine's step graph."""
 
     logits: torch.Tensor = tensor(torch.float32, ("B", "T", "V"), "next-token logits")
-    k_new: torch.Tensor = tensor(torch.float32, ("L", "B", "KVH", "T", "D"), "the new tokens' keys (rotated), which "
+    k_new: torch.Tensor = tensor(KV_DTYPE, ("L", "B", "KVH", "T", "D"), "the new tokens' keys (rotated), which "
                                  "the runtime writes into its own pools")
-    v_new: torch.Tensor = tensor(torch.float32, ("L", "B", "KVH", "T", "D"), "the new tokens' values")
+    v_new: torch.Tensor = tensor(KV_DTYPE, ("L", "B", "KVH", "T", "D"), "the new tokens' values")
     page_selected: torch.Tensor = tensor(torch.bool, ("L", "B", "M"), "SelectPages: T0 plus the top (attend_pages - "
                                          "|T0|) other pages by ImportanceScore (ties: lower column first); every valid "
                                          "page when attend_pages covers them all", graphs="tiered")
@@ -155,10 +158,13 @@ class StepOutputs(_GraphTensors):
 # ------------------------------------------------------------------ the cache's side
 
 
-def step_feeds(cache, *, tiered_graph: bool, warm_codec: str | None = None) -> StepFeeds:
+def step_feeds(cache, *, tiered_graph: bool, warm_codec: str | None = None,
+               kv_dtype: torch.dtype = torch.float32) -> StepFeeds:
     """The inputs of the graph for the cache's open step (``TieredKVCache.begin_step``): the
-    pools where the cache's device tier lives (bound in place by the backends), the rest CPU
-    tensors; ``input_ids`` and ``positions`` are the caller's.
+    pools where the cache's device tier lives (bound in place by the backends; ``kv_dtype``,
+    the engine's K/V dtype, is the cache's own unless the KV config set another, which costs
+    a converted copy of the pools per step), the rest CPU tensors; ``input_ids`` and
+    ``positions`` are the caller's.
 
     A listed page is in a layer's pool when it is resident in full precision, or staged for
     this step after the pool: warm pages decoded, and (exact mode, prefill) the non-resident
@@ -190,12 +196,12 @@ def step_feeds(cache, *, tiered_graph: bool, warm_codec: str | None = None) -> S
         k_pool, v_pool = mgr.device.k[layer], mgr.device.v[layer]
         cols = stage[layer].nonzero()
         if len(cols):
-            k_staged, v_staged = mgr.read_pages(layer, recs[cols[:, 0], cols[:, 1]], torch.float32,
+            k_staged, v_staged = mgr.read_pages(layer, recs[cols[:, 0], cols[:, 1]], kv_dtype,
                                                 exact=exact[layer, cols[:, 0], cols[:, 1]])
             page_table[layer, cols[:, 0], cols[:, 1]] = k_pool.shape[0] + torch.arange(len(cols))
-            k_pool, v_pool = torch.cat([k_pool.float(), k_staged]), torch.cat([v_pool.float(), v_staged])
-        k_pools.append(k_pool.float())
-        v_pools.append(v_pool.float())
+            k_pool, v_pool = torch.cat([k_pool.to(kv_dtype), k_staged]), torch.cat([v_pool.to(kv_dtype), v_staged])
+        k_pools.append(k_pool.to(kv_dtype))
+        v_pools.append(v_pool.to(kv_dtype))
     feeds = StepFeeds(seq_len=plan.seq_len, page_index=index, page_table=page_table,
                       page_mask=full | stage | warm_in_graph,
                       write_slot=table.device_slot[:, plan.write_recs].view(L, B, T),

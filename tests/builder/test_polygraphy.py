@@ -51,13 +51,34 @@ def run_debug_command(engine: Path, key: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> Path:
-    """A tiny-model tiered engine with the int4 warm codec, page size 5."""
+    """A tiny-model tiered engine with the int4 warm codec, page size 5 (float32: a perturbation of
+    1 % in one layer's weights must fail the comparison at 1e-3)."""
     root = tmp_path_factory.mktemp("pg")
     gguf = write_gguf(root / "tiny.gguf", tiny_model(seed=11))
     out = root / "engine"
     assert build_engine.main(["--tiered-kv", "--warm-codec", "int4", "--page-size", "5", "--model", str(gguf),
-                              "--output", str(out)]) == 0
+                              "--output", str(out), "--precision", "fp32"]) == 0
     return out
+
+
+def test_fp16_engine_kit_holds_float16_pools_and_goldens(tmp_path):
+    """The default (float16) engine: the kit's pools and the goldens' new K/V are float16, the
+    goldens are the model in float16, and ONNX Runtime meets them within the engine's tolerance
+    (the fp16 default), selecting the same pages."""
+    gguf = write_gguf(tmp_path / "tiny.gguf", tiny_model(seed=11))
+    out = tmp_path / "engine"
+    assert build_engine.main(["--tiered-kv", "--page-size", "5", "--model", str(gguf), "--output", str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["build"]["precision"] == "fp16" and cfg["build"]["dtype"] == "float16"
+    assert cfg["build"]["tolerance"] == build_engine.TOLERANCES["fp16"]
+    feeds, golden = load_kit(out)
+    (_, iterations), = golden
+    for f, it in zip(feeds, iterations):
+        assert f["k_pool_0"].dtype == f["v_pool_1"].dtype == np.float16 and f["key_min"].dtype == np.float32
+        assert it["k_new"].dtype == np.float16 and it["logits"].dtype == np.float32
+    result = compare_onnxruntime(out / "step.onnx", feeds, golden, tolerance=cfg["build"]["tolerance"])
+    assert result.passed and result.errors["page_selected"] == 0, result.failures
+    assert result.errors["logits"] == pytest.approx(cfg["build"]["verification_max_abs_error"]["logits"])
 
 
 def test_kit_holds_valid_decode_and_prefill_steps_with_warm_pools(engine):
@@ -170,7 +191,8 @@ def test_trtexec_script_builds_both_profiles_with_the_plugin_library(engine, tmp
     assert proc.returncode == 0, proc.stderr
     cwd, *args = proc.stdout.splitlines()
     assert Path(cwd) == engine
-    assert args[:4] == ["--onnx=step.onnx", f"--dynamicPlugins={lib}", f"--setPluginsToSerialize={lib}", "--fp16"]
+    # strongly typed, as the builder builds it (no --fp16: the graph's own float16 types)
+    assert args[:4] == ["--onnx=step.onnx", f"--dynamicPlugins={lib}", f"--setPluginsToSerialize={lib}", "--stronglyTyped"]
     assert args[-3:] == ["--saveEngine=step.plan", "--skipInference", "--verbose"]
     profiles = json.loads((engine / "config.json").read_text())["build"]["profiles"]
     for i, shapes in enumerate(profiles.values()):

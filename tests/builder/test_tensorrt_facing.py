@@ -1,12 +1,9 @@
-"""What TensorRT needs from the step graph and the builder, checked without TensorRT: plugin
-nodes with no bool / uint8 tensors (plugin tensors cannot have those types), SelectPages' TopK
-within TensorRT's K limit at any context, the version floor, and the check after parsing that
-the network really holds the plugin layers (on a mocked network: TensorRT is not installable
-here)."""
+"""What TensorRT needs from the step graph, checked without TensorRT: plugin nodes with no bool
+/ uint8 tensors (plugin tensors cannot have those types; float16 graphs included), SelectPages'
+TopK within TensorRT's K limit at any context, and the version floor. The builder's TensorRT
+path itself: test_tensorrt_build.py."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -16,11 +13,10 @@ import torch
 from helpers import tiny_model
 from onnx import TensorProto
 
-from tieredkv.builder.build_engine import check_plugin_layers, check_tensorrt_version, plugin_nodes
+from tieredkv.builder.tensorrt_build import check_tensorrt_version
 from tieredkv.builder.export import StepGraphOptions, build_step_graph
 from tieredkv.errors import EngineBuildError
-from tieredkv.plugins.onnx_ops import (DOMAIN, IMPORTANCE_SCORE, KV_APPEND, TIERED_ATTENTION, TOPK_LIMIT,
-                                       select_pages_model)
+from tieredkv.plugins.onnx_ops import IMPORTANCE_SCORE, KV_APPEND, TIERED_ATTENTION, TOPK_LIMIT, select_pages_model
 from tieredkv.plugins.select_pages import ATTEND_ALL, select_pages
 
 NOT_FOR_PLUGINS = {TensorProto.BOOL, TensorProto.UINT8}
@@ -33,9 +29,10 @@ def model():
 
 @pytest.mark.parametrize("warm", [None, "int4"])
 @pytest.mark.parametrize("weights", [(1.0, 0.0, 0.0), (0.5, 0.3, 0.2)], ids=["relevance", "mixed"])
-def test_plugin_nodes_take_and_give_no_bool_or_uint8(model, warm, weights):
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_plugin_nodes_take_and_give_no_bool_or_uint8(model, warm, weights, precision):
     proto = build_step_graph(model, StepGraphOptions(tiered_kv=True, page_size=5, warm_codec=warm,
-                                                     selection_weights=weights))
+                                                     selection_weights=weights, precision=precision))
     inferred = onnx.shape_inference.infer_shapes(proto)
     types = {v.name: v.type.tensor_type.elem_type
              for v in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output)}
@@ -50,6 +47,17 @@ def test_plugin_nodes_take_and_give_no_bool_or_uint8(model, warm, weights):
     if warm:
         pool = next(i for i in proto.graph.input if i.name == "warm_pool_0")
         assert pool.type.tensor_type.elem_type == TensorProto.INT32
+    # the types the plugins are asked for are the ones they accept (plugins/csrc/trt, docs/plugins.md):
+    # pools and new K/V in the graph's dtype, everything else float32 / int32 / int64 as declared
+    f32, i32, i64 = TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT64
+    dt = TensorProto.FLOAT16 if precision == "fp16" else f32
+    want = {TIERED_ATTENTION: ([f32, dt, dt, i64, i32, i64, i64, i64] + ([i32, i64] if warm else []), [f32] * 3),
+            KV_APPEND: ([dt] * 4 + [i64, i64], [dt, dt]),
+            IMPORTANCE_SCORE: ([f32, f32, f32, i64, i64, f32, i32, f32], [f32])}
+    for nd in nodes:
+        ins, outs = want[nd.op_type]
+        assert [types[n] for n in nd.input] == ins, nd.name
+        assert [types[n] for n in nd.output] == outs, nd.name
 
 
 def _topk_k_model():
@@ -91,73 +99,3 @@ def test_tensorrt_version_floor():
     for old in ("10.6.0", "10.0.1", "8.6.1"):
         with pytest.raises(EngineBuildError, match=r"TensorRT >= 10\.7"):
             check_tensorrt_version(old)
-
-
-# ------------------------------------------------- the plugin-presence check on a mocked network
-
-FAKE_TRT = SimpleNamespace(LayerType=SimpleNamespace(PLUGIN_V3="plugin_v3", MATRIX_MULTIPLY="matmul",
-                                                     ELEMENTWISE="elementwise"),
-                           PluginCapabilityType=SimpleNamespace(CORE="core"))
-
-
-class _Plugin:
-    def __init__(self, name):
-        self.name = name
-
-    def get_capability_interface(self, kind):
-        assert kind == "core"
-        return SimpleNamespace(plugin_name=self.name)
-
-
-class _Network:
-    def __init__(self, layers):
-        self.layers = layers
-
-    @property
-    def num_layers(self):
-        return len(self.layers)
-
-    def get_layer(self, i):
-        return self.layers[i]
-
-
-def _plugin_layer(name):
-    return SimpleNamespace(type="plugin_v3", get_plugin=lambda: _Plugin(name))
-
-
-def _standard(kind="matmul"):
-    return SimpleNamespace(type=kind)
-
-
-def test_plugin_nodes_counts_the_step_graph(model):
-    proto = build_step_graph(model, StepGraphOptions(tiered_kv=True, page_size=5, selection_weights=(0.5, 0.3, 0.2)))
-    n = model.config.num_layers
-    assert plugin_nodes(proto) == {KV_APPEND: n, IMPORTANCE_SCORE: 2 * n, TIERED_ATTENTION: n}
-    assert all(nd.domain == DOMAIN for nd in proto.graph.node if nd.op_type == "SelectPages")
-    assert "SelectPages" not in plugin_nodes(proto)  # inlined by design
-
-
-def test_check_plugin_layers_accepts_a_network_with_every_plugin():
-    expected = {TIERED_ATTENTION: 2, KV_APPEND: 2}
-    layers = [_standard(), _plugin_layer(KV_APPEND), _plugin_layer(TIERED_ATTENTION), _standard("elementwise"),
-              _plugin_layer(KV_APPEND), _plugin_layer(TIERED_ATTENTION)]
-    check_plugin_layers(_Network(layers), FAKE_TRT, expected)
-
-
-def test_check_plugin_layers_rejects_inlined_bodies():
-    """A parser that inlined the function bodies leaves only standard layers: a build error that
-    names the missing plugins and the fix."""
-    expected = {TIERED_ATTENTION: 2, KV_APPEND: 2}
-    with pytest.raises(EngineBuildError, match=r"lacks plugin layers.*TieredAttention.*--plugin-library"):
-        check_plugin_layers(_Network([_standard()] * 40), FAKE_TRT, expected)
-    partial = [_plugin_layer(KV_APPEND), _plugin_layer(KV_APPEND), _plugin_layer(TIERED_ATTENTION)] + [_standard()] * 9
-    with pytest.raises(EngineBuildError, match="TieredAttention"):
-        check_plugin_layers(_Network(partial), FAKE_TRT, expected)
-
-
-def test_check_plugin_layers_counts_unnamed_plugin_layers():
-    """Where TensorRT's Python API does not expose a plugin's name, plugin layers count by number."""
-    unnamed = SimpleNamespace(type="plugin_v3")  # no get_plugin / plugin
-    check_plugin_layers(_Network([unnamed] * 3), FAKE_TRT, {TIERED_ATTENTION: 2, KV_APPEND: 1})
-    with pytest.raises(EngineBuildError):
-        check_plugin_layers(_Network([unnamed] * 2), FAKE_TRT, {TIERED_ATTENTION: 2, KV_APPEND: 1})

@@ -8,7 +8,8 @@ headers) loads it without TensorRT and checks each creator's name, version, name
 attribute fields against the ONNX nodes of ``tieredkv.plugins.onnx_ops``, the dtypes each plugin
 accepts (no bool or uint8 plugin tensor; TieredAttention also with a warm codec: 10 inputs), the
 IPluginV3OneBuildV2 build capability and its aliases (KVAppend appends in place), and the
-TieredAttention workspace request. The ctypes binding of the C ABI, ``tieredkv.plugins.cuda_ops``,
+TieredAttention workspace request, and that the harness (plugins/csrc/trt_harness, run by
+test_trt_plugins.py) needs no TensorRT or CUDA library. The ctypes binding of the C ABI, ``tieredkv.plugins.cuda_ops``,
 is checked against every declaration of the header. The build is shared with test_codec.py and
 test_cuda_ops.py (csrc_build)."""
 
@@ -101,6 +102,21 @@ def plugin_lib(build_dir) -> Path:
 
 def test_plugin_library_exports_get_creators(plugin_lib):
     assert {"getCreators", "setLoggerFinder"} <= _exported(plugin_lib)
+
+
+def test_harness_needs_no_tensorrt_or_cuda_library(plugin_lib):
+    """libtieredkv_trt_harness.so (built with the plugins) exports its C ABI and depends on the C
+    and C++ runtimes only: what TensorRT would implement for a plugin, it implements itself."""
+    harness = plugin_lib.parent / "libtieredkv_trt_harness.so"
+    header = (SOURCE / "trt_harness" / "trt_harness.h").read_text()
+    import re
+
+    declared = set(re.findall(r"TKVH_API\s+[^;(]*?\b(tkvh_\w+)\(", header))
+    assert declared and declared <= _exported(harness)
+    if not shutil.which("readelf"):
+        pytest.skip("needs readelf (binutils)")
+    needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", _run(["readelf", "-d", str(harness)]).stdout)
+    assert needed and all(re.match(r"lib(c|m|dl|gcc_s|stdc\+\+)\.so", n) for n in needed), needed
 
 
 # Loads the plugin library with dlopen (no TensorRT, no GPU needed) and prints, per creator:

@@ -316,3 +316,28 @@ def test_a_mask_per_kv_head_decodes_the_warm_pages_any_head_keeps():
     ref = attention_over_pages(inputs["q"], k_pages, v_pages, mask, inputs["page_index"], inputs["seq_len"],
                                inputs["past"])
     assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(out, ref))
+
+
+@pytest.mark.parametrize("codec", [None, "int4"])
+@pytest.mark.parametrize("case", [CASES[3], CASES[9]], ids=case_id)
+def test_onnx_reads_float16_pools_as_the_plugin_does(case, codec):
+    """The ONNX function on float16 pools (a float16 engine's graph; q and the outputs stay
+    float32, as the plugin takes them): the reference on the same pools, warm pages decoded and
+    rounded to the pools' type."""
+    pytest.importorskip("onnx")
+    from onnx import TensorProto
+
+    from tieredkv.plugins.onnx_ops import tiered_attention_model
+
+    inputs = make(case, seed=3, codec=codec)
+    inputs["k_pool"], inputs["v_pool"] = inputs["k_pool"].half(), inputs["v_pool"].half()
+    scale = case["D"] ** -0.5
+    tensors = plugin_tensors({k: v for k, v in inputs.items() if k != "warm_codec"})
+    _, kvh, p, d = inputs["k_pool"].shape
+    model = tiered_attention_model(scale, warm_codec=codec, page_shape=None if codec is None else (kvh, p, d),
+                                   pool_dtype=TensorProto.FLOAT16)
+    check_node(model, "TieredAttention")
+    got = run_onnx(model, tensors)
+    want = tiered_attention(**inputs, scale=scale)
+    assert got["out"].dtype == torch.float32
+    assert_matches((got["out"], got["lse"], got["page_probs"]), want, TOLERANCE["onnx"])

@@ -38,11 +38,13 @@ TIGHT = dict(page_size=PAGE, sink_tokens=4, recent_tokens=8, device_budget=40, a
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """(checkpoint, tiered engine dir, plain engine dir) of one tiny model."""
+    """(checkpoint, tiered engine dir, plain engine dir) of one tiny model (float32 engines: the
+    torch backend's float32 tokens, exactly)."""
     root = tmp_path_factory.mktemp("engines")
     gguf = write_gguf(root / "tiny.gguf", tiny_model(seed=5))
     for flag, name in ((["--tiered-kv"], "tiered"), ([], "plain")):
-        rc = build_engine.main([*flag, "--model", str(gguf), "--output", str(root / name), "--page-size", str(PAGE)])
+        rc = build_engine.main([*flag, "--model", str(gguf), "--output", str(root / name), "--page-size", str(PAGE),
+                                "--precision", "fp32"])
         assert rc == 0
     return gguf, root / "tiered", root / "plain"
 
@@ -93,7 +95,7 @@ def warm_backend(built, tmp_path_factory):
     """An engine whose TieredAttention reads int4 warm pages from their bytes (--warm-codec int4)."""
     out = tmp_path_factory.mktemp("warm_engine") / "warm"
     assert build_engine.main(["--tiered-kv", "--warm-codec", "int4", "--model", str(built[0]), "--output", str(out),
-                              "--page-size", str(PAGE)]) == 0
+                              "--page-size", str(PAGE), "--precision", "fp32"]) == 0
     return OnnxRuntimeBackend(out, threads=1)
 
 
@@ -164,6 +166,66 @@ def test_warm_engine_feeds_read_the_encoded_pool(warm_backend):
     mgr.check_invariants()
 
 
+def test_fp16_engine_keeps_fp16_pools_and_follows_the_fp16_model(built, torch_model, tmp_path):
+    """The default engine (--precision fp16): its graph takes float16 pools, so the tiered cache
+    keeps its pools in float16 and binds them as they are (no converted copy per step); step by
+    step (a chunked prefill, then decode steps fed the same tokens) its logits follow the torch
+    backend running the model in float16 (export.model_at) within float16 rounding."""
+    from tieredkv.builder.export import model_at
+    from tieredkv.runtime.tiered.cache import TieredKVCache
+    from tieredkv.runtime.tiered.engine_io import step_feeds
+
+    out = tmp_path / "fp16"
+    assert build_engine.main(["--tiered-kv", "--model", str(built[0]), "--output", str(out), "--page-size",
+                              str(PAGE)]) == 0
+    engine = OnnxRuntimeBackend(out, threads=1)
+    assert engine.engine.kv_dtype == torch.float16 and engine.kv_spec().dtype == torch.float16
+    reference = model_at(torch_model, torch.float16)
+    kv = TieredKVConfig(page_size=PAGE)
+    caches = {name: TieredKVCache(m.kv_spec(), kv, num_sequences=1) for name, m in (("engine", engine),
+                                                                                   ("torch", reference))}
+    sids = {name: cache.add_sequence() for name, cache in caches.items()}
+    ids = torch.tensor(prompts(29, seed=4)[0])
+    for start, n in ((0, 16), (16, 13)) + tuple((29 + i, 1) for i in range(6)):
+        tokens = (ids[start:start + n] if start < 29 else ids[start - 29:start - 28]).view(1, -1)
+        positions = torch.arange(start, start + n).view(1, -1)
+        logits = {name: m(tokens, positions, caches[name], [sids[name]])
+                  for name, m in (("engine", engine), ("torch", reference))}
+        assert float((logits["engine"] - logits["torch"]).abs().max()) < 2e-3, (start, n)
+    cache = caches["engine"]
+    assert cache.mgr.device.k[0].dtype == torch.float16
+    cache.begin_step([sids["engine"]], 1)
+    feeds = step_feeds(cache, tiered_graph=True, kv_dtype=torch.float16)
+    assert feeds.k_pool[0].data_ptr() == cache.mgr.device.k[0].data_ptr()  # bound in place, no copy
+
+
+def test_in_place_append_check():
+    """layers_not_appended_in_place (the TensorRT backend's check after a step, KVAppend's
+    outputs aliasing its input pools): the bound pools must hold the step's new K/V at the
+    written slots; a layer whose pools were left as they were is named."""
+    from tieredkv.runtime.engine import layers_not_appended_in_place
+
+    gen = torch.Generator().manual_seed(0)
+    L, B, T, kvh, d, c, p = 3, 2, 2, 2, 4, 5, 4
+    slot = torch.randint(0, c, (L, B, T), generator=gen)
+    offset = torch.tensor([[0, 1], [2, 3]])
+    k_new = torch.randn(L, B, kvh, T, d, generator=gen).half()
+    v_new = torch.randn(L, B, kvh, T, d, generator=gen).half()
+    bound = {"write_slot": slot, "write_offset": offset}
+    for layer in range(L):
+        for kind, new in (("k", k_new), ("v", v_new)):
+            pool = torch.zeros(c, kvh, p, d, dtype=torch.float16)
+            for b in range(B):
+                for t in range(T):
+                    pool[slot[layer, b, t], :, offset[b, t]] = new[layer, b, :, t]
+            bound[f"{kind}_pool_{layer}"] = pool
+    outputs = {"k_new": k_new, "v_new": v_new}
+    assert layers_not_appended_in_place(bound, outputs) == []
+    bound["v_pool_1"] = torch.zeros_like(bound["v_pool_1"])  # layer 1's values went to another buffer
+    bound["k_pool_2"][slot[2, 1, 0], 0, offset[1, 0], 3] += 1
+    assert layers_not_appended_in_place(bound, outputs) == [1, 2]
+
+
 def test_warm_engine_refuses_another_codec(warm_backend):
     with pytest.raises(ConfigError, match="warm_codec 'fp8' .* engine's 'int4'"):
         run(warm_backend, TieredKVConfig(**TIGHT, warm_codec="fp8"), prompts(9))
@@ -210,6 +272,9 @@ def test_engine_dir_errors(built, tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps(dict(cfg, format_version=1)))
     with pytest.raises(EngineError, match="version 1.*rebuild"):
+        read_engine_dir(bad)
+    (bad / "config.json").write_text(json.dumps(dict(cfg, build=dict(cfg["build"], precision="bf16"))))
+    with pytest.raises(EngineError, match=r"build.precision 'bf16'; expected one of \['fp16', 'fp32'\]"):
         read_engine_dir(bad)
     (bad / "config.json").write_text(json.dumps(cfg))
     (bad / "step.onnx").unlink()

@@ -3,7 +3,10 @@
 // pools to the outputs only when they are other buffers. The outputs alias the pools
 // (IPluginV3OneBuildV2::getAliasedInput: k_pool_out -> k_pool, v_pool_out -> v_pool), so with
 // PreviewFeature::kALIASED_PLUGIN_IO_10_03 TensorRT hands the same buffers and the append is in
-// place (no pool copy); without it TensorRT ignores the alias and the plugin copies. No attributes.
+// place (no pool copy); without it TensorRT ignores the alias and the plugin copies, and says so
+// once per plugin (a warning through TensorRT's logger: every call then moves both pools). The
+// TensorRT backend of the runtime checks after a step that the bound pools hold the new rows
+// (runtime/engine.py, layers_not_appended_in_place). No attributes.
 //   inputs  k_pool, v_pool [C,KVH,P,D], k_new, v_new [N,KVH,D] (all one type: f32, f16 or bf16),
 //           slot [N] i64, offset [N] i64
 //   outputs k_pool_out, v_pool_out [C,KVH,P,D] (the pools' type)
@@ -34,7 +37,7 @@ int32_t element_bytes(DataType type) noexcept {
 class KVAppendPlugin final : public PluginBase {
 public:
     KVAppendPlugin() noexcept : PluginBase(kName) {}
-    KVAppendPlugin(KVAppendPlugin const& other) noexcept : PluginBase(other) {}
+    KVAppendPlugin(KVAppendPlugin const& other) noexcept : PluginBase(other) {}  // a clone warns afresh
 
     nvinfer1::IPluginV3* clone() noexcept override { return new (std::nothrow) KVAppendPlugin(*this); }
 
@@ -93,6 +96,16 @@ public:
                     cudaStream_t stream) noexcept override {
         nvinfer1::Dims const& pool = inputDesc[0].dims;  // [C, KVH, P, D]
         int64_t const n = inputDesc[2].dims.d[0];        // k_new [N, KVH, D]
+        if ((outputs[0] != inputs[0] || outputs[1] != inputs[1]) && !mWarnedCopy) {
+            mWarnedCopy = true;
+            try {
+                log_warning(std::string(kName) + ": the outputs are not the input pools (TensorRT did not alias "
+                            "them: PreviewFeature::kALIASED_PLUGIN_IO_10_03 is off), so every call copies both "
+                            "pools (" + std::to_string(2 * volume(pool) * element_bytes(inputDesc[0].type)) +
+                            " bytes) before appending");
+            } catch (...) {  // out of memory while formatting: no warning
+            }
+        }
         int const status = tkv_kv_append(inputs[0], inputs[1], inputs[2], inputs[3],
                                          static_cast<int64_t const*>(inputs[4]),
                                          static_cast<int64_t const*>(inputs[5]), outputs[0], outputs[1], pool.d[0],
@@ -107,6 +120,7 @@ protected:
 
 private:
     nvinfer1::PluginFieldCollection mNoFields{};
+    bool mWarnedCopy = false;
 };
 
 class KVAppendCreator final : public CreatorBase {

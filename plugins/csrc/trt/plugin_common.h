@@ -21,6 +21,9 @@ void log_message(nvinfer1::ILogger::Severity severity, std::string const& messag
 inline void log_error(std::string const& message) noexcept {
     log_message(nvinfer1::ILogger::Severity::kERROR, message);
 }
+inline void log_warning(std::string const& message) noexcept {
+    log_message(nvinfer1::ILogger::Severity::kWARNING, message);
+}
 void set_logger_finder(nvinfer1::ILoggerFinder* finder) noexcept;
 
 //! Reads `count` floats of field `name` (kFLOAT32 or kFLOAT64) from `fc` into `dst`; false (and an
