@@ -321,7 +321,8 @@ _EXPECTED_TYPES = {
     # with warm_codec: + warm_pool int32 words [W, NB / 4], warm_row int64 [B, M]
     "TieredAttention int4": _ATTENTION + [[_I32], [_I64]] + [[_F32]] * 3,
     "KVAppend": [[_F32, _F16, _BF16]] + [[_F32]] * 3 + [[_I64], [_I64]] + [[_F32]] * 2,
-    "ImportanceScore": [[_F32]] * 3 + [[_I64], [_I64], [_F32], [_I32], [_F32], [_F32]],
+    # q, kmin: float32 / float16 / bfloat16; kmax: kmin's type (the probe gives kmin its first, float32)
+    "ImportanceScore": [[_F32, _F16, _BF16]] * 2 + [[_F32]] + [[_I64], [_I64], [_F32], [_I32], [_F32], [_F32]],
 }
 #: getAliasedInput of each output: KVAppend appends in place (k_pool_out -> k_pool, v_pool_out -> v_pool)
 _EXPECTED_ALIASES = {"TieredAttention": [-1, -1, -1], "KVAppend": [0, 1], "ImportanceScore": [-1]}

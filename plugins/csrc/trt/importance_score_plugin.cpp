@@ -1,7 +1,10 @@
 // TensorRT IPluginV3 "ImportanceScore" (namespace "tieredkv", version "1"); enqueue runs
-// tkv_importance_score (kernels/importance_score.cuh). Attributes: weights (kFLOAT32 x 3:
-// relevance, position, saliency), scale (kFLOAT32 x 1).
-//   inputs  q [B,H,D] f32, kmin [B,M,KVH,D] f32, kmax [B,M,KVH,D] f32, page_tokens [B,M] i64,
+// tkv_importance_score_ex (kernels/importance_score.cuh: one pass over the page summaries per kv
+// head). Attributes: weights (kFLOAT32 x 3: relevance, position, saliency), scale (kFLOAT32 x 1).
+// Workspace: tkv_importance_score_workspace of the largest sizes (the bounds per head and page).
+//   inputs  q [B,H,D] f32 / f16 / bf16, kmin and kmax [B,M,KVH,D] of one type, f32 / f16 / bf16 (a
+//           strongly typed fp16 engine feeds the pools' own type: the min / max of fp16 keys are
+//           fp16 values), page_tokens [B,M] i64,
 //           distance [B,M] i64, saliency [B,M] f32, page_mask [B,M] i32 (nonzero = kept), position_table [NB] f32
 //   output  score [B,M] f32
 #include "plugin_common.h"
@@ -55,8 +58,20 @@ public:
 
     bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
                                    int32_t nbOutputs) noexcept override {
-        return nbInputs == kInputs && nbOutputs == kOutputs && pos >= 0 && pos < kInputs + kOutputs &&
-               is_linear(inOut[pos], kTypes[pos]);
+        if (nbInputs != kInputs || nbOutputs != kOutputs || pos < 0 || pos >= kInputs + kOutputs) return false;
+        if (pos == 0 || pos == 1) return is_linear_float(inOut[pos]);  // q; kmin: any float type
+        if (pos == 2) return is_linear(inOut[2], inOut[1].desc.type);  // kmax: kmin's type
+        return is_linear(inOut[pos], kTypes[pos]);
+    }
+
+    //! The heads' bounds and softmax statistics: tkv_importance_score_workspace of the largest sizes.
+    size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
+                            nvinfer1::DynamicPluginTensorDesc const* /* outputs */,
+                            int32_t /* nbOutputs */) const noexcept override {
+        if (nbInputs != kInputs || inputs[0].max.nbDims != 3 || inputs[6].max.nbDims != 2) return 0;
+        int64_t const bytes = tkv_importance_score_workspace(inputs[0].max.d[0], inputs[0].max.d[1],
+                                                             inputs[6].max.d[1]);
+        return bytes > 0 ? static_cast<size_t>(bytes) : 0;
     }
 
     int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs,
@@ -74,18 +89,20 @@ public:
     }
 
     int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* /* outputDesc */,
-                    void const* const* inputs, void* const* outputs, void* /* workspace */,
+                    void const* const* inputs, void* const* outputs, void* workspace,
                     cudaStream_t stream) noexcept override {
         nvinfer1::Dims const& q = inputDesc[0].dims;     // [B, H, D]
         nvinfer1::Dims const& kmin = inputDesc[1].dims;  // [B, M, KVH, D]
         int64_t const nb = inputDesc[7].dims.d[0];       // position_table [NB]
-        int const status = tkv_importance_score(
-            static_cast<float const*>(inputs[0]), static_cast<float const*>(inputs[1]),
-            static_cast<float const*>(inputs[2]), static_cast<int64_t const*>(inputs[3]),
+        // getWorkspaceSize gave the bound at the largest sizes, which is at least this (monotone)
+        int64_t const ws_bytes = tkv_importance_score_workspace(q.d[0], q.d[1], kmin.d[1]);
+        int const status = tkv_importance_score_ex(
+            inputs[0], inputs[1], inputs[2], static_cast<int64_t const*>(inputs[3]),
             static_cast<int64_t const*>(inputs[4]), static_cast<float const*>(inputs[5]),
             static_cast<int32_t const*>(inputs[6]), static_cast<float const*>(inputs[7]),
             static_cast<float*>(outputs[0]), q.d[0], q.d[1], q.d[2], kmin.d[1], kmin.d[2], nb, mWeights[0],
-            mWeights[1], mWeights[2], mScale, stream);
+            mWeights[1], mWeights[2], mScale, kv_dtype(inputDesc[0].type), kv_dtype(inputDesc[1].type), workspace,
+            ws_bytes, stream);
         return status == 0 ? 0 : fail(std::string("kernel launch failed: ") + tkv_error_string(status));
     }
 

@@ -5,6 +5,8 @@
 
 #include <NvInferRuntime.h>
 
+#include "tieredkv_kernels.h"
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -42,6 +44,25 @@ int64_t volume(nvinfer1::Dims const& dims) noexcept;
 
 inline bool is_linear(nvinfer1::DynamicPluginTensorDesc const& d, nvinfer1::DataType type) noexcept {
     return d.desc.format == nvinfer1::TensorFormat::kLINEAR && d.desc.type == type;
+}
+
+//! The floating types the kernels read K/V, queries and page summaries in (TKV_DTYPE_*).
+constexpr nvinfer1::DataType kPoolTypes[] = {nvinfer1::DataType::kFLOAT, nvinfer1::DataType::kHALF,
+                                             nvinfer1::DataType::kBF16};
+
+//! TKV_DTYPE_* of one of kPoolTypes, -1 for another type.
+inline int32_t kv_dtype(nvinfer1::DataType type) noexcept {
+    switch (type) {
+        case nvinfer1::DataType::kFLOAT: return TKV_DTYPE_F32;
+        case nvinfer1::DataType::kHALF: return TKV_DTYPE_F16;
+        case nvinfer1::DataType::kBF16: return TKV_DTYPE_BF16;
+        default: return -1;
+    }
+}
+
+//! Linear and one of kPoolTypes.
+inline bool is_linear_float(nvinfer1::DynamicPluginTensorDesc const& d) noexcept {
+    return kv_dtype(d.desc.type) >= 0 && d.desc.format == nvinfer1::TensorFormat::kLINEAR;
 }
 
 //! The boilerplate of a V3One plugin: capability lookup, names, no tactics, no workspace (unless

@@ -34,17 +34,6 @@ constexpr int32_t kOutputs = 3;
 constexpr DataType kInputTypes[kWarmInputs] = {DataType::kFLOAT, DataType::kFLOAT, DataType::kFLOAT, DataType::kINT64,
                                                DataType::kINT32, DataType::kINT64, DataType::kINT64, DataType::kINT64,
                                                DataType::kINT32, DataType::kINT64};
-constexpr DataType kPoolTypes[] = {DataType::kFLOAT, DataType::kHALF, DataType::kBF16};
-
-//! TKV_DTYPE_* of a pool type, -1 for another type.
-int32_t kv_dtype(DataType type) noexcept {
-    switch (type) {
-        case DataType::kFLOAT: return TKV_DTYPE_F32;
-        case DataType::kHALF: return TKV_DTYPE_F16;
-        case DataType::kBF16: return TKV_DTYPE_BF16;
-        default: return -1;
-    }
-}
 constexpr DataType kOutputType = DataType::kFLOAT;
 //! Longest codec name kept (the names of codec.CODECS are far shorter).
 constexpr size_t kMaxCodecName = 31;
@@ -93,12 +82,7 @@ public:
                                    int32_t nbOutputs) noexcept override {
         int32_t const nin = expectedInputs();
         if (nbInputs != nin || nbOutputs != kOutputs || pos < 0 || pos >= nin + kOutputs) return false;
-        if (pos == 1) {
-            for (DataType type : kPoolTypes) {
-                if (is_linear(inOut[1], type)) return true;
-            }
-            return false;
-        }
+        if (pos == 1) return is_linear_float(inOut[1]);
         if (pos == 2) return is_linear(inOut[2], inOut[1].desc.type);
         return is_linear(inOut[pos], pos < nin ? kInputTypes[pos] : kOutputType);
     }
