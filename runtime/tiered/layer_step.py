@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from tieredkv.models.cache import attention
 from tieredkv.plugins.importance_score import (RELEVANCE_ONLY, distance_bucket, importance_score, mix,
                                                relevance_and_ranking)
 from tieredkv.plugins.select_pages import ATTEND_ALL, select_pages
@@ -54,12 +55,27 @@ def attend_pages(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
         allowed = allowed_keys(page_mask, page_index, seq_len, past, t, p)
     k = k_pages.permute(0, 2, 1, 3, 4).reshape(b, kvh, m * p, d).float()
     v = v_pages.permute(0, 2, 1, 3, 4).reshape(b, kvh, m * p, d).float()
+    out = fused_attention(q, k, v, allowed)[0]
     logits = torch.matmul(q.float().reshape(b, kvh, g * t, d), k.transpose(-1, -2)).view(b, kvh, g, t, m * p)
     logits = (logits * d ** -0.5).masked_fill_(~allowed, float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a query that sees no key: all -inf -> nan -> 0
-    out = torch.matmul(probs.view(b, kvh, g * t, m * p), v).view(b, h, t, d).to(q.dtype)
     mass = probs.view(b, kvh * g, t, m, p).sum(-1).mean(1).sum(1)
     return out, mass
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    allowed: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """The output of attention over gathered keys (the paged cache's fused kernel, so a step's
+    output does not depend on whether the cache also measured page masses): q [B, H, T, D], k, v
+    [B, KVH, S, D], allowed [B, 1 or KVH, 1, T, S] (:func:`allowed_keys`). A query that sees no
+    key gets zeros."""
+    b, h, t, d = q.shape
+    kvh = k.shape[1]
+    mask = allowed.squeeze(2)  # [B, 1 or KVH, T, S]
+    if mask.shape[1] > 1:  # a mask per kv head: one per query head of its group
+        mask = mask.repeat_interleave(h // kvh, dim=1)
+    out = attention(q.float(), k.float(), v.float(), mask).nan_to_num_(0.0)
+    return out.to(q.dtype), None
 
 
 def allowed_keys(page_mask: torch.Tensor, page_index: torch.Tensor, seq_len: torch.Tensor, past: torch.Tensor,
@@ -114,6 +130,12 @@ class LayerStep:
         self._allowed_all = None  # the keys every query may see when a layer attends every page
         self.ran = False  # a layer attended (or an engine's graph ran): the step has something to record
         self.moves_inside = cache._speculate  # a layer-ahead prefetch may move pages during the step
+        # nothing to do: no selection, every page full precision on the device, room for the next
+        # window, no predictor or access log reading the masses -> the paged cache's attention,
+        # without the per-page mass (the pages' importance is measured again once the device is pressed)
+        self.measure = not (not self.selecting and not any(self.off) and self.all_full and self.exact_choice is None
+                            and not mgr.pressed() and mgr.prefetcher is None and cache.recorder is None
+                            and not self.moves_inside)
         self.rec = StepRecord.empty(L, plan)
         for name in ("selected", "attended", "relevance", "mass"):
             setattr(self.rec, name, getattr(self.rec, name).to(dev))
@@ -154,7 +176,9 @@ class LayerStep:
         t_attend = time.perf_counter()
         out, mass = self.gather_and_attend(layer, q, selected, attended, heads, exact)
         rec = self.rec
-        rec.selected[layer], rec.attended[layer], rec.mass[layer] = selected, attended, mass
+        rec.selected[layer], rec.attended[layer] = selected, attended
+        if mass is not None:
+            rec.mass[layer] = mass
         if relevance is not None:
             rec.relevance[layer] = relevance
         if exact is not None:
@@ -237,6 +261,13 @@ class LayerStep:
                                                  pool_k.shape[2])
             allowed = self._allowed_all
         page_mask = att if heads is None else pick(heads) & att.unsqueeze(1)
+        if not self.measure:  # the paged cache's path: fused attention, no mass
+            if allowed is None:
+                allowed = allowed_keys(page_mask, pick(self.index), self.seq_len, self.past, q.shape[2], k.shape[3])
+            kvh, p, d = k.shape[2:]
+            keys = k.permute(0, 2, 1, 3, 4).reshape(B, kvh, width * p, d)
+            values = v.permute(0, 2, 1, 3, 4).reshape(B, kvh, width * p, d)
+            return fused_attention(q, keys, values, allowed)
         out, mass = attend_pages(q, k, v, page_mask, pick(self.index), self.seq_len, self.past, allowed=allowed)
         if cols is not None:
             mass = torch.zeros(B, M, device=mass.device).scatter_(1, cols, mass)
@@ -250,6 +281,9 @@ class LayerStep:
         position signal and the saliency with ``score_weights``."""
         rec, cache = self.rec, self.cache
         attended, mass = rec.attended, rec.mass
+        if not self.measure:
+            host = lambda x: None if x is None else x.detach().cpu()  # noqa: E731
+            return StepRecord(selected=host(rec.selected), attended=host(attended), relevance=None, mass=None)
         top = torch.where(attended, mass, torch.zeros_like(mass)).amax(-1, keepdim=True).clamp(min=1e-30)
         relevance = torch.where(attended, mass / top, rec.relevance)
         position = cache.scorer.position.detach()
