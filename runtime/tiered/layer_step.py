@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from tieredkv.models.cache import attention
+from tieredkv.models.cache import attention, gather_pages
 from tieredkv.plugins.importance_score import (RELEVANCE_ONLY, distance_bucket, importance_score, mix,
                                                relevance_and_ranking)
 from tieredkv.plugins.select_pages import ATTEND_ALL, select_pages
@@ -43,18 +43,19 @@ def attend_pages(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     """TieredAttention after the gather (``plugins.tiered_attention.attention_over_pages``'s
     semantics, computed in float32), returning the output and each page's attention mass.
 
-    q [B, H, T, D]; k_pages, v_pages [B, M, KVH, P, D]; page_mask [B, M] bool (or [B, KVH, M]: a
+    q [B, H, T, D]; k_pages, v_pages [B, KVH, M, P, D] (head-major: :func:`gather_pages`'s
+    layout); page_mask [B, M] bool (or [B, KVH, M]: a
     mask per kv head); page_index, seq_len, past as in ``tiered_attention``; ``allowed``: their
     :func:`allowed_keys` when the caller has it already. Returns out [B, H, T, D] (q's dtype;
     zeros for a query that sees no key) and mass [B, M] float32: the attention probability on
     each page, mean over the query heads, summed over the queries."""
     b, h, t, d = q.shape
-    _, m, kvh, p, _ = k_pages.shape
+    _, kvh, m, p, _ = k_pages.shape
     g = h // kvh
     if allowed is None:
         allowed = allowed_keys(page_mask, page_index, seq_len, past, t, p)
-    k = k_pages.permute(0, 2, 1, 3, 4).reshape(b, kvh, m * p, d).float()
-    v = v_pages.permute(0, 2, 1, 3, 4).reshape(b, kvh, m * p, d).float()
+    k = k_pages.reshape(b, kvh, m * p, d).float()
+    v = v_pages.reshape(b, kvh, m * p, d).float()
     out = fused_attention(q, k, v, allowed)[0]
     logits = torch.matmul(q.float().reshape(b, kvh, g * t, d), k.transpose(-1, -2)).view(b, kvh, g, t, m * p)
     logits = (logits * d ** -0.5).masked_fill_(~allowed, float("-inf"))
@@ -244,16 +245,16 @@ class LayerStep:
         dslot, att = pick(dslot), pick(attended)
         width = dslot.shape[1]
         pool_k, pool_v = mgr.device.k[layer], mgr.device.v[layer]
-        k = pool_k.index_select(0, dslot.clamp(min=0).flatten()).view(B, width, *pool_k.shape[1:])
-        v = pool_v.index_select(0, dslot.clamp(min=0).flatten()).view(B, width, *pool_v.shape[1:])
+        k = gather_pages(pool_k, dslot.clamp(min=0))  # [B, KVH, width, P, D]
+        v = gather_pages(pool_v, dslot.clamp(min=0))
         if not self.all_full or exact is not None:
             other = att & (dslot < 0)  # warm pages decoded, off-device pages (and exact reads) from the host / disk
             if bool(other.any()):
                 rows, cc = other.nonzero(as_tuple=True)
                 recs = pick(self.recs)[rows, cc].cpu()
                 ex = False if exact is None else pick(exact)[rows, cc].cpu()
-                k_o, v_o = mgr.read_pages(layer, recs, pool_k.dtype, exact=ex)
-                k[rows, cc], v[rows, cc] = k_o.to(k.device), v_o.to(v.device)
+                k_o, v_o = mgr.read_pages(layer, recs, pool_k.dtype, exact=ex)  # [n, KVH, P, D]
+                k[rows, :, cc], v[rows, :, cc] = k_o.to(k.device), v_o.to(v.device)
         allowed = None
         if cols is None and heads is None and attended is self.valid:  # every page: the same keys in every layer
             if self._allowed_all is None:
@@ -264,10 +265,8 @@ class LayerStep:
         if not self.measure:  # the paged cache's path: fused attention, no mass
             if allowed is None:
                 allowed = allowed_keys(page_mask, pick(self.index), self.seq_len, self.past, q.shape[2], k.shape[3])
-            kvh, p, d = k.shape[2:]
-            keys = k.permute(0, 2, 1, 3, 4).reshape(B, kvh, width * p, d)
-            values = v.permute(0, 2, 1, 3, 4).reshape(B, kvh, width * p, d)
-            return fused_attention(q, keys, values, allowed)
+            kvh, _, p, d = k.shape[1:]
+            return fused_attention(q, k.view(B, kvh, width * p, d), v.view(B, kvh, width * p, d), allowed)
         out, mass = attend_pages(q, k, v, page_mask, pick(self.index), self.seq_len, self.past, allowed=allowed)
         if cols is not None:
             mass = torch.zeros(B, M, device=mass.device).scatter_(1, cols, mass)
