@@ -56,6 +56,7 @@ def run_row(row: str, prompt_file: str, new_tokens: int, repeats: int, threads: 
     import torch
 
     from tieredkv import LLM, SamplingParams, TieredKVConfig
+    from tieredkv.errors import ConfigError
     from tieredkv.runtime.paged import PagedCacheConfig
 
     torch.set_num_threads(threads)
@@ -77,11 +78,15 @@ def run_row(row: str, prompt_file: str, new_tokens: int, repeats: int, threads: 
         llm = LLM.from_model(llm.model, llm.tokenizer, kv=TieredKVConfig(device_budget=f"{budget}B"),
                              prefix_caching=False, max_model_len=max_len)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    llm.generate(ids[:2], SamplingParams(max_new_tokens=4, ignore_eos=True), progress=False)  # warm-up
     best, outs = None, None
-    for _ in range(repeats):
-        done = llm.generate(ids, params, progress=False)
-        s = llm.last_stats
+    try:
+        llm.generate(ids[:2], SamplingParams(max_new_tokens=4, ignore_eos=True), progress=False)  # warm-up
+        runs = []
+        for _ in range(repeats):
+            runs.append((llm.generate(ids, params, progress=False), llm.last_stats))
+    except ConfigError as exc:  # e.g. a budget below the hot windows of the batch's sequences
+        return {"skipped": f"{type(exc).__name__}: {exc}", "device_budget_bytes": budget}
+    for done, s in runs:
         if best is None or s.decode_tok_s > best["decode_tok_s"]:
             best = {"decode_tok_s": round(s.decode_tok_s, 2), "decode_seconds": round(s.decode_seconds, 4),
                     "decode_tokens": s.decode_tokens, "prefill_tok_s": round(s.prefill_tok_s, 1)}
