@@ -250,7 +250,8 @@ def test_run_suite_store_resume_table_and_plot(tiny, tmp_path):
              S.SuiteText("beta", haystack_text(300, 2), "test prose", "user")]
     cfg = S.SuiteConfig(texts=("alpha", "beta"), tasks=("perplexity", "passkey"), contexts=(448,), budgets=(0.5,),
                         trials=1, ppl_windows=1)
-    specs = [S.parse_method("full"), S.parse_method("tiered:name=exact,mode=exact")]
+    # float16 pages (a deployment's): 50 % of a 448-token window's float16 bytes holds T0 and the staging area
+    specs = [S.parse_method("full"), S.parse_method("tiered:name=exact,mode=exact,kv_dtype=float16")]
     logs: list[str] = []
     store = S.run_suite(specs, tiny.model, tiny.tokenizer, texts, cfg, tmp_path, log=logs.append, progress=False)
     assert len(store["results"]) == 2 * 2 * 2
@@ -283,9 +284,9 @@ def test_merge_stores_selects_renames_and_refuses_disagreeing_cells(tiny, tmp_pa
     cfg = S.SuiteConfig(texts=("alpha",), tasks=("perplexity", "passkey"), contexts=(448,), budgets=(0.5,),
                         trials=1, ppl_windows=1)
     a, b = tmp_path / "a", tmp_path / "b"
-    S.run_suite([S.parse_method("full"), S.parse_method("tiered:name=default,mode=exact")], tiny.model,
+    S.run_suite([S.parse_method("full"), S.parse_method("tiered:name=default,mode=exact,kv_dtype=float16")], tiny.model,
                 tiny.tokenizer, texts, cfg, a, progress=False)
-    S.run_suite([S.parse_method("full"), S.parse_method("tiered:name=default,mode=masked")], tiny.model,
+    S.run_suite([S.parse_method("full"), S.parse_method("tiered:name=default,mode=masked,kv_dtype=float16")], tiny.model,
                 tiny.tokenizer, texts, cfg, b, progress=False)
     # a's "default" kept under another name, b's full-cache cells equal a's (deduplicated)
     merged = S.merge_stores([S.parse_source(f"{a}:full,default=exact"), S.parse_source(str(b))])
@@ -293,7 +294,7 @@ def test_merge_stores_selects_renames_and_refuses_disagreeing_cells(tiny, tmp_pa
     assert keys == {f"{m}@{bud:g}/alpha/{t}@448" for m, bud in (("full", 1), ("exact", 0.5), ("default", 0.5))
                     for t in ("perplexity", "passkey")}
     exact = merged["results"]["exact@0.5/alpha/passkey@448"]
-    assert exact["renamed_from"] == "default" and exact["spec"] == "tiered:name=default,mode=exact"
+    assert exact["renamed_from"] == "default" and exact["spec"] == "tiered:name=default,mode=exact,kv_dtype=float16"
     src = json.loads((a / S.RESULTS_FILE).read_text())["results"]["default@0.5/alpha/perplexity@448"]
     assert merged["results"]["exact@0.5/alpha/perplexity@448"]["result"] == src["result"]
     assert merged["meta"]["config"]["trials"] == "1" and merged["meta"]["config"]["ppl_windows"] == "1"
