@@ -374,6 +374,39 @@ def test_command_quick_on_a_tiny_model(tiny, tmp_path, eval_suite_tool):
     assert "| press |" in (merged / S.TABLE_FILE).read_text() and (merged / S.PLOT_FILE).is_file()
 
 
+@pytest.mark.eval
+def test_command_runs_the_equal_bytes_peers(tiny, tmp_path, eval_suite_tool):
+    """Issue #35: the quantized full cache (transformers' QuantizedCache, HQQ) at its own share of
+    the fp16 bytes and a press on it sized to each budget run from the suite's one command, next
+    to the tiered cache at the same budgets."""
+    pytest.importorskip("kvpress")
+    pytest.importorskip("hqq")
+    model = write_gguf(tmp_path / "tiny.gguf", tiny_model(seed=5))
+    f = tmp_path / "text.txt"
+    f.write_text(haystack_text(700))
+    out = tmp_path / "out"
+    argv = ["--model", str(model), "--quick", "--texts", f"mine={f}", "--tasks", "perplexity", "passkey",
+            "--methods", "full", "tiered:name=tiered,kv_dtype=float16", "quantized:int4,group=16",
+            "quantized:int2,group=16,residual=32,press=snapkv", "--budgets", "0.5", "0.25", "--out", str(out),
+            "--no-progress", "--threads", "1"]
+    assert eval_suite_tool.main(argv) == 0
+    store = json.loads((out / S.RESULTS_FILE).read_text())
+    cells = {(e["method"], e["budget"], e["task"]): e for e in store["results"].values()}
+    # full once, tiered and the pressed peer at both budgets, the lone quantized cache at its nominal share
+    assert {(m, b) for m, b, _ in cells} == {("full", 1.0), ("tiered", 0.5), ("tiered", 0.25),
+                                             ("quantized-int4", 0.375), ("quantized-int2+snapkv", 0.5),
+                                             ("quantized-int2+snapkv", 0.25)}
+    for task in ("perplexity", "passkey"):  # int2 at group 16 is 25 % of the fp16 bytes plus its residual
+        st = cells[("quantized-int2+snapkv", 0.25, task)]["result"]["stats"]
+        assert st["kv_fp16_fraction_peak"] <= 0.25 and st["kept_fraction"] < 1
+        st = cells[("quantized-int2+snapkv", 0.5, task)]["result"]["stats"]
+        assert st["kv_fp16_fraction_peak"] <= 0.5 and st["kept_fraction"] == 1  # fits: no press ran
+    assert cells[("quantized-int4", 0.375, "perplexity")]["backend"] == "quantized"
+    md = (out / S.TABLE_FILE).read_text()
+    assert "| quantized-int4 | 37.5 |" in md and "| quantized-int2+snapkv | 25 |" in md
+    assert eval_suite_tool.main(["--methods", "quantized:int3", "--out", str(tmp_path / "bad")]) == 2
+
+
 def test_command_errors_are_one_line(tmp_path, eval_suite_tool, capsys):
     assert eval_suite_tool.main(["--methods", "tiered:bogus=1", "--out", str(tmp_path)]) == 2
     assert "error: " in capsys.readouterr().err
