@@ -198,6 +198,9 @@ def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_
                 f"hot window: T0 = {config.t0_pages} page(s) per sequence (sinks {config.window.sink_tokens} + recent "
                 f"{config.window.recent_tokens} tokens + the page being written) x {num_sequences} sequence(s) + "
                 f"{staging} staging page(s) + 1; expected at least {need} pages = {need * P} tokens per layer"
+                + (f" (or pages stored in {reference}: kv_dtype = {reference!r} holds "
+                   f"{elem // REFERENCE_DTYPES[reference]}x the tokens in these bytes)"
+                   if dev.kind == "percent" and elem > REFERENCE_DTYPES[reference] else "")
             )
     if host is not None:
         host_pages = host.tokens(full_tokens=full_tokens, token_bytes_all_layers=tok_all, field="host_budget",

@@ -225,8 +225,11 @@ def test_the_resolved_budgets_state_their_bytes_and_reference():
 
 def test_a_budget_too_small_for_t0_names_the_reference():
     with pytest.raises(ConfigError, match=r"device_budget 1% \(of the full cache's float16 bytes, float32 pages\) "
-                                          r"gives 2 pages per layer"):
+                                          r"gives 2 pages per layer.*\(or pages stored in float16: kv_dtype = "
+                                          r"'float16' holds 2x the tokens in these bytes\)"):
         _resolve("1%", torch.float32)
+    with pytest.raises(ConfigError, match=r"tokens per layer$"):  # float16 pages: no such hint
+        _resolve("1%", torch.float16)
 
 
 def test_the_reference_from_a_file(tmp_path):
