@@ -4,7 +4,7 @@ together; the figures a batch job reports (:class:`GenerationStats`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -18,7 +18,8 @@ from tieredkv.runtime.serving.engine import Engine
 from tieredkv.runtime.serving.request import Completion, TokenEvent
 from tieredkv.runtime.serving.scheduler import SchedulerConfig
 
-__all__ = ["ERRORS", "Completion", "GenerationStats", "TokenEvent", "batch_scheduler", "generate", "validate_prompts"]
+__all__ = ["ERRORS", "Completion", "GenerationStats", "TokenEvent", "batch_scheduler", "generate", "run_batch",
+           "validate_prompts"]
 
 
 @dataclass
@@ -30,6 +31,8 @@ class GenerationStats:
     decode_steps: int = 0
     decode_tokens: int = 0  # tokens fed through decode steps (sum of batch sizes)
     kv_bytes_peak: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed)
+    prefix_hit_pages: dict = field(default_factory=dict)  # those pages by the tier that held them
 
     @property
     def prefill_tok_s(self) -> float:
@@ -50,6 +53,8 @@ class GenerationStats:
             "prefill_tok_s": round(self.prefill_tok_s, 2),
             "decode_tok_s": round(self.decode_tok_s, 2),
             "kv_bytes_peak": self.kv_bytes_peak,
+            "cached_tokens": self.cached_tokens,
+            "prefix_hit_pages": dict(self.prefix_hit_pages),
         }
 
 
@@ -94,17 +99,31 @@ def generate(model: Llama, cache: KVCache, prompts: Sequence[Sequence[int]], par
     longest sequence, prompt + output (None: the model's context)."""
     if errors not in ERRORS:
         raise ConfigError(f"errors must be one of {list(ERRORS)}, got {errors!r}")
-    context = min(model.config.max_position_embeddings, max_model_len or model.config.max_position_embeddings)
-    if errors == "raise":
-        validate_prompts(prompts, context)
     engine = Engine(model, cache, tokenizer=tokenizer,
                     scheduler=batch_scheduler(len(prompts), prefill_chunk, max_model_len),
                     on_error="raise" if errors == "raise" else "fail")
+    return run_batch(engine, prompts, params, on_token=on_token, stats=stats, errors=errors, progress=progress)
+
+
+def run_batch(engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+              on_token: Callable[[TokenEvent], bool | None] | None = None, stats: GenerationStats | None = None,
+              errors: str = "raise", progress=None) -> list[Completion]:
+    """:func:`generate` on an engine that may outlive the call (``LLM`` keeps one, so that its
+    prefix cache serves later calls): the prompts added, the engine run until they finish,
+    ``stats`` given this call's share of the engine's metrics."""
+    if errors not in ERRORS:
+        raise ConfigError(f"errors must be one of {list(ERRORS)}, got {errors!r}")
+    context = min(engine.context, engine.config.max_model_len or engine.context)
+    if errors == "raise":
+        validate_prompts(prompts, context)
+    engine.on_error = "raise" if errors == "raise" else "fail"
+    m = engine.metrics
+    before = (m.prefill_seconds, m.decode_seconds, m.decode_steps, m.decode_tokens)
     outs: list[Completion] = []
     reqs = []
     for i, p in enumerate(prompts):
         try:
-            req = engine.add_request(p, params, on_token=on_token)
+            req = engine.add_request(p, params, on_token=on_token, index=i)
         except TieredKVError as exc:
             if errors == "raise":
                 raise
@@ -116,12 +135,15 @@ def generate(model: Llama, cache: KVCache, prompts: Sequence[Sequence[int]], par
             outs.append(req.out)
     engine.run(progress=progress)
     if stats is not None:
-        m = engine.metrics
         stats.prompt_tokens += sum(len(p) for p in prompts)
         stats.generated_tokens += sum(len(r.out.token_ids) for r in reqs)
-        stats.prefill_seconds += m.prefill_seconds
-        stats.decode_seconds += m.decode_seconds
-        stats.decode_steps += m.decode_steps
-        stats.decode_tokens += m.decode_tokens
+        stats.prefill_seconds += m.prefill_seconds - before[0]
+        stats.decode_seconds += m.decode_seconds - before[1]
+        stats.decode_steps += m.decode_steps - before[2]
+        stats.decode_tokens += m.decode_tokens - before[3]
         stats.kv_bytes_peak = max(stats.kv_bytes_peak, m.kv_bytes_peak)
+        for r in reqs:
+            stats.cached_tokens += r.metrics.cached_tokens
+            for tier, n in r.metrics.prefix_hit_pages.items():
+                stats.prefix_hit_pages[tier] = stats.prefix_hit_pages.get(tier, 0) + n
     return outs

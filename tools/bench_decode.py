@@ -18,7 +18,8 @@ model in float32 (this CPU's dtype). Rows:
 * ``vllm``: ``tools/peers/vllm_decode.py`` in the peer venv (``tools/peers/setup_vllm.sh``;
   skipped, and said so, when it is not there).
 
-Each tieredkv row runs ``LLM.generate`` once to warm up, then ``--repeats`` times, and keeps the
+Each tieredkv row runs ``LLM.generate`` (prefix caching off: every call on a fresh cache) once
+to warm up, then ``--repeats`` times, and keeps the
 best decode tok/s (``last_stats``: decode tokens over the time of the decode steps); vLLM's
 decode time is its 64-token call minus its 1-token call. Writes ``table.md`` and
 ``results.json`` under ``--out``.
@@ -64,12 +65,13 @@ def run_row(row: str, prompt_file: str, new_tokens: int, repeats: int, threads: 
     per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
     work = sum(len(p) + new_tokens for p in ids) * per_token
     if row == "paged":
-        llm = LLM.from_model(llm.model, llm.tokenizer, cache=PagedCacheConfig())
+        llm = LLM.from_model(llm.model, llm.tokenizer, cache=PagedCacheConfig(), prefix_caching=False)
         budget = None
     else:
         share = {"tiered-all": 2.0, "tiered-25": 0.25, "tiered-12.5": 0.125}[row]
         budget = int(work * share)
-        llm = LLM.from_model(llm.model, llm.tokenizer, kv=TieredKVConfig(device_budget=f"{budget}B"))
+        llm = LLM.from_model(llm.model, llm.tokenizer, kv=TieredKVConfig(device_budget=f"{budget}B"),
+                             prefix_caching=False)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     best, outs = None, None
     for i in range(repeats + 1):

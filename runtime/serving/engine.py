@@ -79,12 +79,14 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, salt: str | None = None, on_token: OnToken | None = None,
-                    on_finish: Callable[[Request], None] | None = None) -> Request:
+                    on_finish: Callable[[Request], None] | None = None, index: int | None = None) -> Request:
         """Queue a request (token ids). Raises a typed error — and queues nothing — when it could
         never run (empty, longer than the served length, more KV than the budget holds) or its
-        id is in use."""
-        index = next(self._ids)
-        request_id = str(index) if request_id is None else str(request_id)
+        id is in use. ``index``: its output's index (``Completion.index``, ``TokenEvent.index``;
+        default: the engine's count of requests, which also names it when ``request_id`` is None)."""
+        count = next(self._ids)
+        index = count if index is None else index
+        request_id = str(count) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ConfigError(f"request id {request_id!r} is already in use")
         req = Request(index, request_id, list(prompt), params or SamplingParams(), tokenizer=self.tokenizer,

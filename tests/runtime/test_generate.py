@@ -68,10 +68,12 @@ def test_eos_ends_a_sequence(tiny_llm):
     model = tiny_llm.model
     saved = model.config
     model.config = dataclasses.replace(saved, eos_token_ids=(first,))
+    tiny_llm.close()  # the kept engine read the model's eos ids when it started
     try:
         out = tiny_llm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=5))[0]
     finally:
         model.config = saved
+        tiny_llm.close()
     assert out.finish_reason == "eos" and out.token_ids == []
 
 
@@ -93,7 +95,11 @@ def test_cancel_mid_generation_frees_pages(tiny_llm):
     assert out[1].finish_reason == "cancelled" and len(out[1].token_ids) == 1
     assert out[0].finish_reason == "length" and len(out[0].token_ids) == 30
     cache = tiny_llm.last_cache
-    assert cache.pages_in_use() == 0 and cache.sequences == []
+    # every sequence freed; what stays is the prefix cache's (the full pages of the prompts and
+    # outputs, kept for later calls), and closing the LLM lets those go too
+    assert cache.sequences == [] and cache.pages_in_use() == cache.usage().indexed_pages > 0
+    tiny_llm.close()
+    assert cache.pages_in_use() == 0
 
 
 def test_context_limit(tiny_llm):
