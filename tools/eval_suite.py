@@ -73,7 +73,7 @@ def kvpress_backend(*, teacher_forcing_chunk: int = 256):
 
 
 def quantized_backend():
-    """``quantized:int4[,press=NAME][,group=G][,residual=R][,axis=A][,name=NAME]`` -> a MethodSpec:
+    """``quantized:int4[,press=NAME][,budget=P%][,group=G][,residual=R][,axis=A][,name=NAME]`` -> a MethodSpec:
     transformers' QuantizedCache (HQQ) at int8 / int4 / int2, alone (one row at its nominal share
     of the fp16 bytes) or with a kvpress press sized to each budget (tools/eval/quantized_cache.py)."""
     from kvpress_methods import attn_implementation_for, make_press
@@ -88,8 +88,9 @@ def quantized_backend():
                                         group=st["group"], residual=st["residual"], axis=st["axis"], name=st["name"],
                                         hf_model=_hf_model(model, impl))
 
-        alone = None if st["press"] else (round(nominal_fraction(st["bits"], st["group"]), 6),)
-        return S.MethodSpec(st["name"], factory, budgets=alone, backend="quantized", spec=f"quantized:{args}")
+        budgets = (st["budget"],) if st["budget"] else None if st["press"] else (
+            round(nominal_fraction(st["bits"], st["group"]), 6),)
+        return S.MethodSpec(st["name"], factory, budgets=budgets, backend="quantized", spec=f"quantized:{args}")
 
     return parse
 
@@ -102,7 +103,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="full | tiered:SETTING=VALUE,... | kvpress:PRESS | quantized:int8|int4|int2[,press=PRESS] "
                         "(default: full)")
     p.add_argument("--budgets", type=float, nargs="+", default=None,
-                   help="KV budgets, fractions of the cache kept (default 0.5 0.25 0.125)")
+                   help="KV budgets, shares of the full cache's float16 bytes (default 0.5 0.25 0.125)")
     p.add_argument("--texts", nargs="+", default=None, metavar="TEXT",
                    help=f"registered texts ({', '.join(text_names())}; default {', '.join(suite_text_names())}) or NAME=PATH")
     p.add_argument("--tasks", nargs="+", default=None, choices=[S.PERPLEXITY, *task_names()], metavar="TASK",

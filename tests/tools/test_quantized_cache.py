@@ -129,11 +129,13 @@ def test_kept_context_bounds():
 @pytest.mark.parametrize("bad,match", [
     ("int3", "expected int8, int4 or int2"), ("fp8", "expected int8"), ("int4,press=nope", "unknown press"),
     ("int4,group=x", "group must be an integer"), ("int4,axis=2", "axis 0 or 1"), ("int4,speed=1", "is not one of"),
+    ("int4,press=snapkv,budget=0.2", "budget must be a percentage"), ("int4,budget=25%", "pins the budget of a press"),
 ])
 def test_bad_specs_are_config_errors(bad, match):
     with pytest.raises(ConfigError, match=match):
         Q.parse_settings(bad)
     assert Q.parse_settings("int2,press=snapkv,residual=32")["name"] == "quantized-int2+snapkv"
+    assert Q.parse_settings("int2,press=snapkv,budget=12.5%")["budget"] == 0.125
 
 
 @pytest.mark.slow

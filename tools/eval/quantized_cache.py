@@ -97,16 +97,25 @@ def cache_bytes(cache: Any) -> int:
 
 
 def parse_settings(args: str) -> dict[str, Any]:
-    """``int4[,press=snapkv][,group=64][,residual=128][,axis=1][,name=NAME]`` -> settings."""
+    """``int4[,press=snapkv][,group=64][,residual=128][,axis=1][,name=NAME][,budget=12.5%]`` ->
+    settings (``budget``: with a press, run at that budget only)."""
     parts = [p.strip() for p in args.split(",") if p.strip()]
     if not parts or not parts[0].startswith("int") or not parts[0][3:].isdigit() or int(parts[0][3:]) not in QUANT_BITS:
         raise ConfigError(f"quantized:{args}: expected int8, int4 or int2 first (e.g. quantized:int4,press=snapkv)")
-    out: dict[str, Any] = {"bits": int(parts[0][3:]), "press": None, "name": None, **DEFAULTS}
+    out: dict[str, Any] = {"bits": int(parts[0][3:]), "press": None, "name": None, "budget": None, **DEFAULTS}
     for part in parts[1:]:
         key, sep, value = (x.strip() for x in part.partition("="))
-        if not sep or key not in ("press", "name", *DEFAULTS):
-            raise ConfigError(f"quantized:{args}: {part!r} is not one of press=, name=, group=, residual=, axis=")
-        if key == "press":
+        if not sep or key not in ("press", "name", "budget", *DEFAULTS):
+            raise ConfigError(f"quantized:{args}: {part!r} is not one of press=, name=, budget=, group=, residual=, "
+                              "axis=")
+        if key == "budget":
+            try:
+                out[key] = float(value.removesuffix("%")) / 100
+            except ValueError:
+                out[key] = 0.0
+            if not value.endswith("%") or not 0 < out[key] <= 1:
+                raise ConfigError(f"quantized:{args}: budget must be a percentage in (0, 100], got {value!r}")
+        elif key == "press":
             if value not in press_names():
                 raise ConfigError(f"quantized:{args}: unknown press {value!r}; expected one of {press_names()}")
             out[key] = value
@@ -119,6 +128,9 @@ def parse_settings(args: str) -> dict[str, Any]:
                 raise ConfigError(f"quantized:{args}: {key} must be an integer, got {value!r}") from None
     if out["group"] < 1 or out["residual"] < 1 or out["axis"] not in (0, 1):
         raise ConfigError(f"quantized:{args}: group and residual must be >= 1 and axis 0 or 1")
+    if out["budget"] is not None and out["press"] is None:
+        raise ConfigError(f"quantized:{args}: budget= pins the budget of a press; the quantized cache alone runs at "
+                          "its own share of the fp16 bytes")
     out["name"] = out["name"] or (f"quantized-int{out['bits']}" + (f"+{out['press']}" if out["press"] else ""))
     return out
 
