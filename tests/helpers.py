@@ -15,8 +15,11 @@ from tieredkv.models.llama import Llama, init_random_weights
 from tieredkv.models.loading import permute_rope_rows
 
 #: a small tiered cache for the tiny model (8-token pages, 4 sinks, 16 recent tokens, 2 staging
-#: pages), warm-less unless a test names its warm tier
-SMALL_KV = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2, warm_codec="off")
+#: pages), warm-less unless a test names its warm tier; its percentage budgets count the bytes of
+#: the tiny model's own float32 pages (``budget_reference``: the tests' budgets were sized so;
+#: tests/runtime/tiered/test_config.py checks the float16 reference, the default)
+SMALL_KV = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2, warm_codec="off",
+                budget_reference="float32")
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "Ġ s", "o n"]

@@ -125,16 +125,34 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stats", action="store_true", help="print the tier metrics (and include them in --json)")
 
 
+def _add_budget_reference(p: argparse.ArgumentParser) -> None:
+    """--budget-reference (generate and eval: the commands that print the resolved budgets)."""
+    p.add_argument("--budget-reference", default=None, choices=["float16", "bfloat16", "float32"],
+                   help="the dtype whose bytes a percentage --kv-budget / --attention-budget counts: 25%% is a "
+                        "quarter of the full cache's bytes in it, whatever the pages are stored in (default "
+                        "float16, what a GPU deployment stores; docs/tiers.md)")
+
+
 def _kv_config(args: argparse.Namespace, loaded=None):
     """The TieredKVConfig the flags ask for, or None for the plain paged cache. An engine
     (``loaded`` from --engine) always runs under the tiered cache, at its page size."""
     from tieredkv.runtime.serving.deploy import KV_FLAGS, resolve_kv_config
 
     engine = getattr(loaded.model, "engine", None) if loaded is not None else None
-    return resolve_kv_config(settings_file=args.kv_config,
-                             settings={setting: getattr(args, flag) for flag, setting in KV_FLAGS.items()},
+    settings = {setting: getattr(args, flag) for flag, setting in KV_FLAGS.items()}
+    settings["budget_reference"] = getattr(args, "budget_reference", None)
+    return resolve_kv_config(settings_file=args.kv_config, settings=settings,
                              page_size=args.page_size, engine_page_size=getattr(engine, "page_size", None),
                              force=engine is not None or args.stats)
+
+
+def _budgets_of(cache):
+    """The resolved budgets of a tiered cache (``ResolvedBudgets``: bytes, reference dtype,
+    pages), None for any other cache."""
+    from tieredkv.runtime.tiered.budgets import ResolvedBudgets
+
+    budgets = getattr(cache, "budgets", None)
+    return budgets if isinstance(budgets, ResolvedBudgets) else None
 
 
 def _need_tokenizer(loaded) -> None:
@@ -179,7 +197,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
          f"{st.decode_tok_s:.1f} tok/s | KV: {st.kv_bytes_peak / 2**20:.2f} MiB peak "
          f"({kv_tok} B/token, page size {page_size})")
     tier = llm.last_cache.metrics if kv else None
+    budgets = _budgets_of(llm.last_cache) if kv else None
     if tier is not None and args.stats:
+        if budgets is not None:
+            _log(budgets.describe())
         _log(tier.format())
     if args.json:
         _emit_json({
@@ -189,6 +210,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "text": completions[0].text, "kv_bytes": st.kv_bytes_peak, "kv_bytes_per_token": kv_tok,
             **st.to_dict(),
             **({"kv_config": dataclasses.asdict(kv), "tier_metrics": tier.to_dict()} if kv else {}),
+            **({"kv_budgets": budgets.to_dict()} if budgets is not None else {}),
         })
     return 0
 
@@ -280,11 +302,14 @@ def _eval_report(args: argparse.Namespace, res, summary: str, payload: dict[str,
     over every session of the evaluation); with --json emit the payload. Returns whether the
     caller should still print its plain-text result."""
     totals = getattr(method, "totals", None)
+    budgets = _budgets_of(getattr(method, "last_cache", None))
     if args.stats and totals is not None:
+        if budgets is not None:
+            _log(f"budgets (the last session's):\n{budgets.describe()}")
         _log(f"tier metrics over {method.sessions} session(s):\n{totals.format()}")
     _log(summary)
     if args.json:
-        _emit_json({**payload, **res.to_dict()})
+        _emit_json({**payload, **res.to_dict(), **({"kv_budgets": budgets.to_dict()} if budgets is not None else {})})
     return not args.json
 
 
@@ -413,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-stream", action="store_true", help="print the completion at the end only")
     g.add_argument("--json", action="store_true", help="last stdout line: one JSON object with the figures")
     _add_kv_args(g)
+    _add_budget_reference(g)
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="model config, parameter count, KV bytes per token")
@@ -444,6 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--prefill-chunk", type=_positive_int, default=512)
     ep.add_argument("--json", action="store_true")
     _add_kv_args(ep)
+    _add_budget_reference(ep)
     ep.set_defaults(func=cmd_eval_perplexity)
     ek = esub.add_parser("passkey", help="passkey retrieval at evenly spread depths")
     _add_model_args(ek)
@@ -455,6 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     ek.add_argument("--prefill-chunk", type=_positive_int, default=512)
     ek.add_argument("--json", action="store_true")
     _add_kv_args(ek)
+    _add_budget_reference(ek)
     ek.set_defaults(func=cmd_eval_passkey)
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "

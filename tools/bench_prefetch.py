@@ -179,7 +179,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             base = None
             for pred in args.predictors:
                 t_start = time.perf_counter()
-                m = replay(trace, cfg, token_bytes_per_layer=tb, full_tokens=full_tokens,
+                m = replay(trace, cfg, token_bytes_per_layer=tb, dtype=torch.float16, full_tokens=full_tokens,
                            predictor=None if pred == "none" else pred, prefetch_distance=args.distance)
                 steps = max(1, m.decode_steps)
                 pred_s = 0.0 if pred == "oracle" else m.predictor_seconds / steps  # the ceiling reads the log: no cost

@@ -89,7 +89,7 @@ def cmd_hitrate(args: argparse.Namespace) -> int:
                     continue
                 for label, extra in (("", {}), (" (no migration)", no_migration)):
                     m = replay(trace, cfg.replace(policy=name, **extra),
-                               token_bytes_per_layer=spec.token_bytes_per_layer, full_tokens=W)
+                               token_bytes_per_layer=spec.token_bytes_per_layer, dtype=spec.dtype, full_tokens=W)
                     rows.append({"budget": budget, "ratio": ratio, "window": w, "policy": name + label,
                                  "hits": m.hits, "misses": m.misses, "hit_rate": m.hit_rate, "bytes_h2d": m.bytes_h2d,
                                  "bytes_d2h": m.bytes_d2h, "fetched": m.fetched_pages, "evicted": m.evicted_pages})
@@ -137,7 +137,7 @@ def cmd_overhead(args: argparse.Namespace) -> int:
     cfg = TieredKVConfig(device_budget=f"{100 * args.budget:g}%", policy=args.policy, mode="exact", warm_codec="off")
     B = args.batch
     budgets = resolve_budgets(cfg, num_layers=L, token_bytes_per_layer=2 * KVH * D * 2, full_tokens=args.context,
-                              num_sequences=B)
+                              num_sequences=B, dtype=torch.float16)
     A = budgets.attention_pages
 
     # (a) ImportanceScore + SelectPages (the op references the runtime calls) for one layer and step, real shapes

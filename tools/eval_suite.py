@@ -10,9 +10,12 @@ lengths — for any set of methods at KV budgets; write one table (markdown + JS
     python tools/eval_suite.py --merge results/suite results/old:full,default=exact --out results/table
 
 Methods: ``full`` (the reference), ``tiered:SETTING=VALUE,...`` (TieredKVConfig flat settings;
-``name=`` names the row; each budget becomes ``device_budget``), ``kvpress:PRESS`` (a press of
-tools/eval/kvpress_methods.py: streaming_llm, snapkv, tova, observed_attention, knorm,
-expected_attention). Texts: registered names (runtime/eval/texts.py; default: all) or
+``name=`` names the row; each budget becomes ``device_budget``, a share of the full cache's
+float16 bytes), ``kvpress:PRESS`` (a press of tools/eval/kvpress_methods.py: streaming_llm,
+snapkv, tova, observed_attention, knorm, expected_attention), ``quantized:int8|int4|int2``
+(transformers' QuantizedCache with HQQ: one row at its share of the fp16 bytes) and
+``quantized:int4,press=PRESS`` (a press on it, sized to each budget's fp16 bytes;
+tools/eval/quantized_cache.py). Texts: registered names (runtime/eval/texts.py; default: all) or
 ``NAME=PATH`` for a UTF-8 file of your own. Output in ``--out``: results.json (every raw
 result; the resume store: finished cells with the same parameters are skipped), table.md,
 table.json, suite.png. docs/eval-suite.md explains the table. ``--merge DIR[:METHOD,OLD=NEW,...] ...``
@@ -37,29 +40,57 @@ from tieredkv.runtime.eval.tasks import FRAMINGS, task_names  # noqa: E402
 from tieredkv.runtime.eval.texts import suite_text_names, text_names  # noqa: E402
 
 
-def kvpress_backend(*, teacher_forcing_chunk: int = 256):
-    """``kvpress:PRESS`` -> a MethodSpec; the transformers view of the model is built once per
-    attention implementation and shared by every cell."""
-    from kvpress_methods import KVPressMethod, attn_implementation_for, make_press, press_names
+#: the transformers view of a model, built once per attention implementation and shared by every cell
+_HF_MODELS: dict[tuple[int, str], Any] = {}
 
-    shared: dict[tuple[int, str], Any] = {}
+
+def _hf_model(model, impl: str):
+    from tieredkv.models.hf_compat import to_transformers
+
+    key = (id(model), impl)
+    if key not in _HF_MODELS:
+        _HF_MODELS[key] = to_transformers(model, attn_implementation=impl)
+    return _HF_MODELS[key]
+
+
+def kvpress_backend(*, teacher_forcing_chunk: int = 256):
+    """``kvpress:PRESS`` -> a MethodSpec."""
+    from kvpress_methods import KVPressMethod, attn_implementation_for, make_press, press_names
 
     def parse(press_name: str) -> S.MethodSpec:
         if press_name not in press_names():
             raise TieredKVError(f"unknown press {press_name!r}; expected one of {press_names()}")
 
         def factory(model, budget: float):
-            from tieredkv.models.hf_compat import to_transformers
-
             press = make_press(press_name, 1.0 - budget)
             impl = attn_implementation_for(press)
-            key = (id(model), impl)
-            if key not in shared:
-                shared[key] = to_transformers(model, attn_implementation=impl)
             return KVPressMethod(model, press, name=press_name, budget=budget, attn_implementation=impl,
-                                 teacher_forcing_chunk=teacher_forcing_chunk, hf_model=shared[key])
+                                 teacher_forcing_chunk=teacher_forcing_chunk, hf_model=_hf_model(model, impl))
 
         return S.MethodSpec(press_name, factory, backend="kvpress", spec=f"kvpress:{press_name}")
+
+    return parse
+
+
+def quantized_backend():
+    """``quantized:int4[,press=NAME][,budget=P%][,group=G][,residual=R][,axis=A][,name=NAME]`` -> a MethodSpec:
+    transformers' QuantizedCache (HQQ) at int8 / int4 / int2, alone (one row at its nominal share
+    of the fp16 bytes) or with a kvpress press sized to each budget (tools/eval/quantized_cache.py)."""
+    from kvpress_methods import attn_implementation_for, make_press
+    from quantized_cache import QuantizedCacheMethod, nominal_fraction, parse_settings
+
+    def parse(args: str) -> S.MethodSpec:
+        st = parse_settings(args)
+
+        def factory(model, budget: float):
+            impl = attn_implementation_for(make_press(st["press"], 0.5) if st["press"] else None)
+            return QuantizedCacheMethod(model, bits=st["bits"], budget=budget, press_name=st["press"],
+                                        group=st["group"], residual=st["residual"], axis=st["axis"], name=st["name"],
+                                        hf_model=_hf_model(model, impl))
+
+        budgets = (st["budget"],) if st["budget"] else None if st["press"] else (
+            round(nominal_fraction(st["bits"], st["group"]), 6),)
+        return S.MethodSpec(st["name"], factory, budgets=budgets, backend="quantized", spec=f"quantized:{args}")
 
     return parse
 
@@ -69,9 +100,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--model", default=None, help="checkpoint path or known name (default: the default model)")
     p.add_argument("--methods", nargs="+", default=["full"], metavar="METHOD",
-                   help="full | tiered:SETTING=VALUE,... | kvpress:PRESS (default: full)")
+                   help="full | tiered:SETTING=VALUE,... | kvpress:PRESS | quantized:int8|int4|int2[,press=PRESS] "
+                        "(default: full)")
     p.add_argument("--budgets", type=float, nargs="+", default=None,
-                   help="KV budgets, fractions of the cache kept (default 0.5 0.25 0.125)")
+                   help="KV budgets, shares of the full cache's float16 bytes (default 0.5 0.25 0.125)")
     p.add_argument("--texts", nargs="+", default=None, metavar="TEXT",
                    help=f"registered texts ({', '.join(text_names())}; default {', '.join(suite_text_names())}) or NAME=PATH")
     p.add_argument("--tasks", nargs="+", default=None, choices=[S.PERPLEXITY, *task_names()], metavar="TASK",
@@ -130,7 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _log(f"wrote {path}")
             return 0
         config = config_from(args)
-        backends = {"kvpress": kvpress_backend(teacher_forcing_chunk=args.teacher_forcing_chunk)}
+        backends = {"kvpress": kvpress_backend(teacher_forcing_chunk=args.teacher_forcing_chunk),
+                    "quantized": quantized_backend()}
         specs = [S.parse_method(m, backends) for m in args.methods]
         import torch
         from tqdm.auto import tqdm

@@ -54,7 +54,8 @@ def dataset(path: Path, *, history: int, horizons: int, every: int, holdout: flo
     """(train, validation) tensors (x [N, history, F], y [N, horizons]) of one log."""
     trace = AccessTrace.load(path)
     cap = _Capture(history, every)
-    replay(trace, TieredKVConfig(page_size=trace.page_size), token_bytes_per_layer=1, predictor=cap)
+    replay(trace, TieredKVConfig(page_size=trace.page_size), token_bytes_per_layer=1, dtype=torch.float16,
+           predictor=cap)  # no budget: the bytes do not matter
     dec = [s.needed for s in trace.steps if s.decode]
     split = int(len(dec) * (1 - holdout))
     parts: dict[bool, tuple[list, list]] = {True: ([], []), False: ([], [])}

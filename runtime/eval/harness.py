@@ -180,7 +180,8 @@ def tiered_method(model: Llama, config, *, name: str | None = None, prefill_chun
     spec = model.kv_spec()
     label = name or f"tieredkv-{config.migration.policy}-{config.selection.mode}"
     stored = dataclasses.replace(spec, dtype=KV_DTYPES[config.kv_dtype]) if config.kv_dtype else spec
-    info = {"budget": str(config.budgets.device or "100%"), "policy": config.migration.policy,
+    info = {"budget": str(config.budgets.device or "100%"), "budget_reference": config.budgets.reference_dtype,
+            "policy": config.migration.policy,
             "mode": config.selection.mode, "attention_budget": str(config.budgets.attention or "device"),
             "kv_bytes_per_token": stored.token_bytes_per_layer * stored.num_layers}
     if config.warm.codec:

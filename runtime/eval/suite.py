@@ -532,8 +532,9 @@ def protocol_line(store: dict[str, Any]) -> str:
             f"the scored continuation is seen); texts: {texts}; perplexity: {cfg.get('ppl_windows')} window(s) of "
             f"the context length per text, the first {cfg.get('ppl_context_fraction')} of each the compressed "
             f"context; tasks: {cfg.get('trials')} trial(s) per text at evenly spread depths, seed {cfg.get('seed')}, "
-            f"framing {_framing(meta.get('framing'))}, haystacks without digits; date "
-            f"{meta.get('updated', meta.get('created', '?'))}.")
+            f"framing {_framing(meta.get('framing'))}, haystacks without digits; budgets: shares of the full cache's "
+            f"float16 bytes (or a tiered row's budget_reference; a press keeps that share of the tokens; a quantized "
+            f"peer's peak is in its stats); date {meta.get('updated', meta.get('created', '?'))}.")
 
 
 def _framing(frames: Any) -> str:

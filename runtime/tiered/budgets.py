@@ -1,9 +1,13 @@
 """Budgets of the tiered cache: how a budget string is read, and how the budgets of a
 :class:`~tieredkv.runtime.tiered.config.TieredKVConfig` resolve into pages per layer.
 
-* ``"25%"`` — a fraction of the full KV cache of the work at hand (for a generation:
-  prompt + max new tokens of every sequence; for an evaluation: the whole window or
-  prompt). Resolved when that size is known;
+* ``"25%"`` — a share of the full KV cache's *bytes in the reference dtype*
+  (``budgets.reference_dtype``, flat ``budget_reference``: float16 by default, what a GPU
+  deployment stores) for the work at hand (for a generation: prompt + max new tokens of every
+  sequence; for an evaluation: the whole window or prompt), whatever dtype the pages are
+  stored in: ``25%`` of a float32 cache at the float16 reference is 12.5 % of its tokens, the
+  same bytes as 25 % of a float16 one. Resolved when that size is known; ``"100%"`` (like
+  ``"unlimited"``) is no budget: every page;
 * ``"64MiB"``, ``"1.5GB"``, ``"123456B"`` — bytes of K/V pages across all layers (the
   page summaries kept for scoring are reported separately, not counted);
 * ``2048`` or ``"2048"`` / ``"2048tok"`` — tokens per sequence-layer, i.e. pages * page size.
@@ -16,6 +20,8 @@ import os
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import torch
 
 from tieredkv.errors import ConfigError, short
 
@@ -63,8 +69,11 @@ class Budget:
             return cls("tokens", num)
         return cls("bytes", num * _UNITS[unit])
 
-    def tokens(self, *, full_tokens: int | None, token_bytes_all_layers: int, field: str) -> int:
-        """The budget in tokens per sequence-layer."""
+    def tokens(self, *, full_tokens: int | None, token_bytes_all_layers: int, field: str,
+               reference_ratio: float = 1.0) -> int:
+        """The budget in tokens per sequence-layer. ``reference_ratio``: bytes of an element in
+        the reference dtype over bytes of a stored element (a percentage is a share of the full
+        cache's bytes in the reference dtype: 0.5 for float32 pages at the float16 reference)."""
         if self.kind == "tokens":
             return int(self.value)
         if self.kind == "bytes":
@@ -72,7 +81,9 @@ class Budget:
         if full_tokens is None:
             raise ConfigError(f"{field}: a percentage needs the size of the full cache, which is not known here; "
                               "give bytes or tokens instead")
-        return int(math.floor(self.value * full_tokens))
+        # the ratio is a power of two (4/2, 2/4, 1): exact in floating point, so an equal
+        # reference and storage dtype gives exactly the share of the tokens
+        return int(math.floor(self.value * full_tokens * reference_ratio))
 
     def __str__(self) -> str:
         if self.kind == "percent":
@@ -80,6 +91,26 @@ class Budget:
         if self.kind == "bytes":
             return f"{int(self.value)}B"
         return f"{int(self.value)}tok"
+
+
+#: bytes of one element in each reference dtype a percentage budget may be counted in
+REFERENCE_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class BudgetBytes:
+    """One budget as resolved: what was asked (``given``), its bytes (a percentage: that share
+    of the full cache's bytes in the reference dtype; bytes: themselves; tokens: the tokens'
+    bytes in the stored dtype), and the pages per layer they became."""
+
+    name: str  # "device", "host", "attention"
+    given: str
+    kind: str  # "percent", "bytes", "tokens"
+    bytes: int  # across all layers (and sequences, for device and host)
+    pages: int | None  # per layer (attention: per sequence-layer); None: every page
+
+    def to_dict(self) -> dict:
+        return {"given": self.given, "kind": self.kind, "bytes": self.bytes, "pages_per_layer": self.pages}
 
 
 @dataclass(frozen=True)
@@ -93,6 +124,10 @@ class ResolvedBudgets:
     staging_pages: int
     warm_pages: int = 0  # compressed pages per layer (warm sub-tier of T2)
     warm_given: int = 0  # full-precision pages whose bytes the warm sub-tier holds instead
+    reference: str = "float16"  # the dtype percentage budgets count bytes in
+    stored: str = ""  # the dtype the pages are stored in ("": not given)
+    page_bytes: int = 0  # bytes of one full-precision page across all layers, stored dtype
+    given: tuple[BudgetBytes, ...] = ()  # the budgets that were set, as resolved
 
     @property
     def resident_pages(self) -> int | None:
@@ -100,34 +135,76 @@ class ResolvedBudgets:
         the staging area and the bytes given to the warm sub-tier."""
         return None if self.device_pages is None else self.device_pages - self.staging_pages - self.warm_given
 
+    def describe(self) -> str:
+        """One line per budget set: what was asked, its bytes, the reference and the pages."""
+        if not self.given:
+            return "budgets: none (every page resident)"
+        lines = []
+        for b in self.given:
+            share = (f"of the full cache's {self.reference} bytes" if b.kind == "percent" else
+                     "of K/V pages" if b.kind == "bytes" else f"tokens of {self.stored or 'stored'} K/V")
+            pages = "every page" if b.pages is None else f"{b.pages} page(s) per layer" + (
+                " per sequence" if b.name == "attention" else "")
+            lines.append(f"{b.name} budget {b.given} {share} = {_mib(b.bytes)} -> {pages} of "
+                         f"{self.stored or 'stored'} pages ({_mib(self.page_bytes)} each, all layers)")
+        if self.warm_pages:
+            lines.append(f"warm sub-tier: {self.warm_pages} encoded page(s) per layer in the bytes of "
+                         f"{self.warm_given} full-precision page(s)")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        """The budgets for ``--json``: the reference dtype, the stored one, and per budget set
+        what was asked, its bytes and the pages per layer."""
+        return {"reference_dtype": self.reference, "stored_dtype": self.stored, "page_bytes": self.page_bytes,
+                **{b.name: b.to_dict() for b in self.given},
+                "device_pages": self.device_pages, "host_pages": self.host_pages,
+                "attention_pages": self.attention_pages, "warm_pages": self.warm_pages,
+                "warm_given": self.warm_given}
+
+
+def _mib(n: int) -> str:
+    return f"{n} B" if n < 2**20 else f"{n / 2**20:.2f} MiB ({n} B)"
+
 
 def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_layer: int,
-                    full_tokens: int | None, num_sequences: int = 1,
+                    full_tokens: int | None, dtype: torch.dtype, num_sequences: int = 1,
                     warm_page_bytes: int | None = None) -> ResolvedBudgets:
     """Turn the budget strings into pages per layer; ConfigError when the device budget
     cannot hold the hot window (T0 of every sequence) plus the staging area.
+    ``token_bytes_per_layer``: K + V bytes of one token of one layer in ``dtype``, the dtype
+    the pages are stored in; a percentage budget is a share of the full cache's bytes in
+    ``config.budgets.reference_dtype`` (module docstring).
     ``warm_page_bytes``: bytes of one encoded page of one layer (with ``warm_codec``)."""
     P = config.page_size
     tok_all = token_bytes_per_layer * num_layers
+    elem = torch.tensor([], dtype=dtype).element_size()
+    reference = config.budgets.reference_dtype
+    ratio = REFERENCE_DTYPES[reference] / elem
     dev = Budget.parse(config.budgets.device, "device_budget")
     host = Budget.parse(config.budgets.host, "host_budget")
     att = Budget.parse(config.budgets.attention, "attention_budget")
     device_pages = host_pages = attention_pages = None
     staging = config.budgets.staging_pages
     if dev is not None:
-        per_seq = dev.tokens(full_tokens=full_tokens, token_bytes_all_layers=tok_all, field="device_budget")
+        per_seq = dev.tokens(full_tokens=full_tokens, token_bytes_all_layers=tok_all, field="device_budget",
+                             reference_ratio=ratio)
         # percent and per-sequence token budgets are per sequence; bytes are for the whole cache
         device_pages = per_seq // P * (1 if dev.kind == "bytes" else num_sequences)
         need = config.t0_pages * num_sequences + staging + 1
         if device_pages < need:
             raise ConfigError(
-                f"device_budget {dev} gives {device_pages} pages per layer ({P} tokens each), too small to hold the "
+                f"device_budget {dev}{_of_reference(dev, reference, dtype)} gives {device_pages} pages per layer "
+                f"({P} tokens each), too small to hold the "
                 f"hot window: T0 = {config.t0_pages} page(s) per sequence (sinks {config.window.sink_tokens} + recent "
                 f"{config.window.recent_tokens} tokens + the page being written) x {num_sequences} sequence(s) + "
                 f"{staging} staging page(s) + 1; expected at least {need} pages = {need * P} tokens per layer"
+                + (f" (or pages stored in {reference}: kv_dtype = {reference!r} holds "
+                   f"{elem // REFERENCE_DTYPES[reference]}x the tokens in these bytes)"
+                   if dev.kind == "percent" and elem > REFERENCE_DTYPES[reference] else "")
             )
     if host is not None:
-        host_pages = host.tokens(full_tokens=full_tokens, token_bytes_all_layers=tok_all, field="host_budget") // P
+        host_pages = host.tokens(full_tokens=full_tokens, token_bytes_all_layers=tok_all, field="host_budget",
+                                 reference_ratio=ratio) // P
         if host.kind != "bytes":
             host_pages *= num_sequences
         if host_pages < 1:
@@ -141,7 +218,7 @@ def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_
                 )
     if att is not None:
         attention_pages = -(-att.tokens(full_tokens=full_tokens, token_bytes_all_layers=tok_all,
-                                        field="attention_budget") // P)
+                                        field="attention_budget", reference_ratio=ratio) // P)
         if attention_pages < config.t0_pages:
             raise ConfigError(f"attention_budget {att} = {attention_pages} page(s) cannot cover T0 "
                               f"({config.t0_pages} pages: sinks, recent window, hot page)")
@@ -171,7 +248,32 @@ def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_
                               f"{pages * page_bytes_all_layers / 2**30:.1f} GiB of pages; this machine has "
                               f"{physical_memory() / 2**30:.1f} GiB of memory: expected a budget that fits")
     hot = 0 if device_pages is None else int(config.budgets.hot_key_fraction * (device_pages - staging - warm_given))
-    return ResolvedBudgets(device_pages, host_pages, attention_pages, hot, staging, warm_pages, warm_given)
+    given = tuple(BudgetBytes(name, str(b), b.kind, _budget_bytes(b, full_tokens, tok_all, ratio, num_sequences, name),
+                              pages)
+                  for name, b, pages in (("device", dev, device_pages), ("host", host, host_pages),
+                                         ("attention", att, attention_pages)) if b is not None)
+    return ResolvedBudgets(device_pages, host_pages, attention_pages, hot, staging, warm_pages, warm_given,
+                           reference=reference, stored=str(dtype).removeprefix("torch."),
+                           page_bytes=page_bytes_all_layers, given=given)
+
+
+def _of_reference(b: Budget, reference: str, dtype: torch.dtype) -> str:
+    """How an error names what a percentage counts."""
+    return (f" (of the full cache's {reference} bytes, {str(dtype).removeprefix('torch.')} pages)"
+            if b.kind == "percent" else "")
+
+
+def _budget_bytes(b: Budget, full_tokens: int | None, tok_all: int, ratio: float, num_sequences: int,
+                  name: str) -> int:
+    """The bytes a budget stands for: a percentage that share of the full cache's bytes in the
+    reference dtype; bytes themselves; tokens their bytes in the stored dtype (device and host
+    budgets of every sequence, the attention budget of one)."""
+    if b.kind == "bytes":
+        return int(b.value)
+    seqs = 1 if name == "attention" else num_sequences
+    if b.kind == "tokens":
+        return int(b.value) * tok_all * seqs
+    return int(b.value * (full_tokens or 0) * tok_all * ratio) * seqs
 
 
 def _auto_warm_given(spare: int, owned: int, per_given: int, warm_page_bytes: int, need: int | None) -> int:

@@ -66,7 +66,7 @@ class TieredKVCache(KVCache):
                                           spec.head_dim)
         self.budgets = resolve_budgets(config, num_layers=spec.num_layers,
                                        token_bytes_per_layer=spec.token_bytes_per_layer,
-                                       full_tokens=full_tokens, num_sequences=num_sequences,
+                                       full_tokens=full_tokens, dtype=spec.dtype, num_sequences=num_sequences,
                                        warm_page_bytes=warm_bytes)
         migration = config.migration
         policy = make_policy(migration.policy, lfu_importance_weights=migration.lfu_importance_weights)

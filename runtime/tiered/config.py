@@ -2,9 +2,10 @@
 
 Budgets are strings or numbers:
 
-* ``"25%"`` — a fraction of the full KV cache of the work at hand (for a generation:
-  prompt + max new tokens of every sequence; for an evaluation: the whole window or
-  prompt). Resolved when that size is known;
+* ``"25%"`` — a share of the full KV cache's bytes in the reference dtype (``budget_reference``,
+  float16 by default: what a GPU deployment stores), whatever the pages are stored in, for
+  the work at hand (for a generation: prompt + max new tokens of every sequence; for an
+  evaluation: the whole window or prompt). Resolved when that size is known;
 * ``"64MiB"``, ``"1.5GB"``, ``"123456B"`` — bytes of K/V pages across all layers (the
   page summaries kept for scoring are reported separately, not counted);
 * ``2048`` or ``"2048"`` / ``"2048tok"`` — tokens per sequence-layer, i.e. pages * page size.
@@ -25,7 +26,7 @@ from typing import Any, Callable, ClassVar, Mapping
 import torch
 
 from tieredkv.errors import ConfigError, DataFileError, short
-from tieredkv.runtime.tiered.budgets import Budget
+from tieredkv.runtime.tiered.budgets import REFERENCE_DTYPES, Budget
 
 MODES = ("exact", "masked")
 #: the largest page (tokens) a cache takes
@@ -179,7 +180,10 @@ class BudgetConfig(_Settings):
     staging area), ``host`` (T3; past it pages spill to ``disk_path``, T4), ``attention`` (pages
     one decode step attends to, T0 included). ``staging_pages`` of the device budget are the
     transit area through which non-resident pages are streamed (exact-mode misses, chunked
-    prefill); ``hot_key_fraction`` of the resident pages may be labelled T1."""
+    prefill); ``hot_key_fraction`` of the resident pages may be labelled T1. ``reference_dtype``
+    (flat ``budget_reference``): the dtype whose bytes a percentage budget counts — ``25%`` is
+    a quarter of the full cache's bytes in it (float16 by default, what a GPU deployment
+    stores), whatever dtype the pages are stored in; bytes and token budgets do not use it."""
 
     table: ClassVar[str] = "budgets"
     device: str | int | None = setting(None, _budget, flat="device_budget")
@@ -188,6 +192,7 @@ class BudgetConfig(_Settings):
     staging_pages: int = setting(4, _integer(1, 1 << 20))
     hot_key_fraction: float = setting(0.25, _number(0.0, 1.0))
     disk_path: str | None = setting(None, _optional_path)
+    reference_dtype: str = setting("float16", _choice(lambda: REFERENCE_DTYPES), flat="budget_reference")
 
 
 @dataclass(frozen=True)

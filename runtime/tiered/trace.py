@@ -171,11 +171,13 @@ class AccessLogger:
         return path
 
 
-def replay(trace: AccessTrace, config: TieredKVConfig, *, token_bytes_per_layer: int,
+def replay(trace: AccessTrace, config: TieredKVConfig, *, token_bytes_per_layer: int, dtype: torch.dtype,
            full_tokens: int | None = None, predictor=None, prefetch_max_pages: int | None = None,
            prefetch_distance: int = 2) -> TierMetrics:
     """Run the trace through a TierManager with ``config`` (its policy, budgets and
-    thresholds) and return the metrics: hits, misses, bytes moved, ... A step selects the
+    thresholds) and return the metrics: hits, misses, bytes moved, ... ``token_bytes_per_layer``
+    and ``dtype``: the K/V bytes of one token of one layer and the dtype the recorded cache
+    stored its pages in (percentage budgets count bytes in the reference dtype). A step selects the
     recorded pages (decode: the needed ones plus T0; prefill: every page) and attends them as
     the live cache would (exact / masked mode). ``predictor`` (a name of
     ``prefetch.PREDICTORS``, ``"oracle"`` included, or a Predictor): prefetch as the live
@@ -189,7 +191,7 @@ def replay(trace: AccessTrace, config: TieredKVConfig, *, token_bytes_per_layer:
     if config.page_size != trace.page_size:
         raise ValueError(f"trace has page size {trace.page_size}, config {config.page_size}")
     budgets = resolve_budgets(config, num_layers=trace.num_layers, token_bytes_per_layer=token_bytes_per_layer,
-                              full_tokens=full_tokens)
+                              full_tokens=full_tokens, dtype=dtype)
     policy = make_policy(config.migration.policy, lfu_importance_weights=config.migration.lfu_importance_weights)
     future = trace.next_use() if policy.needs_trace else None
     current = {"step": 0}

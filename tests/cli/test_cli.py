@@ -143,7 +143,7 @@ def test_eval_passkey_with_tiered_flags_and_attention_budget(tiny_gguf, tmp_path
     text.write_text("the sun rose over the sea and the cat sat on the mat. " * 60)
     argv = ["eval", "passkey", "--model", tiny_gguf, "--haystack-file", str(text), "--context", "400", "--trials", "2",
             "--kv-budget", "50%", "--attention-budget", "25%", "--mode", "masked", "--policy", "lru", "--page-size",
-            "8", "--selection-aggregate", "head-rank", "--stats", "--json"]
+            "8", "--selection-aggregate", "head-rank", "--budget-reference", "float32", "--stats", "--json"]
     assert main(argv) == 0
     captured = capsys.readouterr()
     d = json.loads(captured.out.strip().splitlines()[-1])
@@ -197,6 +197,40 @@ def test_generate_prefetch_and_access_log_flags(tiny_gguf, tmp_path, capsys):
     assert len(list(logs.glob("seq-*.pt"))) == 1
     assert main(["generate", "--model", tiny_gguf, "--prompt", "x", "--prefetch", "psychic"]) == 2
     assert "prefetch_predictor (prefetch.predictor): unknown value 'psychic'" in capsys.readouterr().err
+
+
+def test_stats_and_json_state_the_budget_bytes_and_reference(tiny_gguf, tmp_path, capsys):
+    """Issue #35: a percentage counts the full cache's bytes in --budget-reference (float16 by
+    default) whatever the pages are stored in (the tiny model's float32 here); --stats and
+    --json say the bytes and the reference, for generate and for an evaluation."""
+    argv = ["generate", "--model", tiny_gguf, "--prompt", "the cat sat " * 40, "--max-new-tokens", "4",
+            "--max-model-len", "512", "--kv-budget", "50%", "--page-size", "8", "--stats", "--json"]
+    got = {}
+    for ref in ("float16", "float32", None):
+        assert main(argv + (["--budget-reference", ref] if ref else [])) == 0
+        captured = capsys.readouterr()
+        d = json.loads(captured.out.strip().splitlines()[-1])
+        b = got[ref] = d["kv_budgets"]
+        assert b["reference_dtype"] == d["kv_config"]["budgets"]["reference_dtype"] == (ref or "float16")
+        assert b["stored_dtype"] == "float32"
+        assert f"device budget 50% of the full cache's {ref or 'float16'} bytes = {b['device']['bytes']} B" \
+            in captured.err
+    kv_tok = d["kv_bytes_per_token"]  # float32, all layers
+    assert got["float16"] == got[None]
+    assert got["float16"]["device"]["bytes"] == 512 * kv_tok // 4 and got["float32"]["device"]["bytes"] == 512 * kv_tok // 2
+    assert 2 * got["float16"]["device_pages"] == got["float32"]["device_pages"] == 32
+    text = tmp_path / "t.txt"
+    text.write_text("the sun rose over the sea and the cat sat on the mat. " * 60)
+    assert main(["eval", "perplexity", "--model", tiny_gguf, "--text-file", str(text), "--window", "512",
+                 "--max-windows", "1", "--context-fraction", "0.75", "--kv-budget", "50%", "--page-size", "8",
+                 "--stats", "--json"]) == 0
+    captured = capsys.readouterr()
+    d = json.loads(captured.out.strip().splitlines()[-1])
+    assert d["kv_budgets"]["device"] == got["float16"]["device"]
+    assert "budgets (the last session's):\ndevice budget 50% of the full cache's float16 bytes" in captured.err
+    with pytest.raises(SystemExit):
+        main(argv + ["--budget-reference", "int8"])
+    assert "invalid choice: 'int8'" in capsys.readouterr().err
 
 
 def test_generate_percentage_budget_of_max_model_len(tiny_gguf, capsys):

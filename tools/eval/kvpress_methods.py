@@ -104,18 +104,18 @@ def attn_implementation_for(press: Any) -> str:
 
 
 class _PressSession(EvalSession):
-    """A context prefilled (and compressed) into a ``DynamicCache``."""
+    """A context prefilled (and compressed) into a fresh cache (``method.new_cache()``: a
+    ``DynamicCache``, or a quantized one)."""
 
-    def __init__(self, method: "KVPressMethod", context: Sequence[int]) -> None:
-        from transformers import DynamicCache
-
+    def __init__(self, method: "KVPressMethod", context: Sequence[int], total_tokens: int | None = None) -> None:
         self.m = method
         self.context_len = len(context)
         if self.context_len == 0:
             raise ValueError("the context must hold at least one token")
-        self.cache = DynamicCache()
+        self.cache = method.new_cache()
         ids = torch.as_tensor(list(context), dtype=torch.long).unsqueeze(0)
-        press_ctx = method.press(method.hf_model) if method.press is not None else contextlib.nullcontext()
+        press = method.session_press(self.context_len, total_tokens)
+        press_ctx = press(method.hf_model) if press is not None else contextlib.nullcontext()
         with torch.inference_mode(), press_ctx:
             out = method.hf_model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self.last_logits = out.logits[0, -1].float()
@@ -123,9 +123,11 @@ class _PressSession(EvalSession):
         self.layer_lens = [self.cache.layers[i].get_seq_length() for i in range(len(self.cache.layers))]
         if len(set(self.layer_lens)) > 1:
             # transformers builds one attention mask from layer 0's length for every layer
-            raise NotImplementedError(f"{type(method.press).__name__} kept different token counts per layer "
+            raise NotImplementedError(f"{type(press).__name__} kept different token counts per layer "
                                       f"({sorted(set(self.layer_lens))}); only uniform presses are supported")
         method._record(self.context_len, self.layer_lens)
+        # a cache that cannot be cropped (a quantized one) is restored from a snapshot instead
+        self.saved = method.snapshot(self.cache)
 
     @property
     def kept_tokens(self) -> float:
@@ -133,6 +135,9 @@ class _PressSession(EvalSession):
         return sum(self.layer_lens) / len(self.layer_lens)
 
     def _restore(self) -> None:
+        if self.saved is not None:
+            self.m.restore(self.cache, self.saved)
+            return
         for layer, n in zip(self.cache.layers, self.layer_lens):
             layer.crop(n)
 
@@ -146,6 +151,7 @@ class _PressSession(EvalSession):
             pos = torch.arange(start_pos + lo, start_pos + lo + piece.shape[1]).unsqueeze(0)
             out = self.m.hf_model(input_ids=piece, position_ids=pos, past_key_values=self.cache, use_cache=True)
             outs.append(out.logits[0].float())
+            self.m.after_forward(self.cache)
         return torch.cat(outs, dim=0)
 
     def logprobs(self, continuation: Sequence[int]) -> torch.Tensor:
@@ -212,6 +218,29 @@ class KVPressMethod(EvalMethod):
         ratio = budget_to_compression_ratio(budget)
         return cls(model, make_press(press_name, ratio), name=press_name, budget=budget, **kwargs)
 
+    # ------------------------------------------------------------------ hooks of a cache kind
+    # (tools/eval/quantized_cache.py overrides them for transformers' QuantizedCache)
+    def new_cache(self) -> Any:
+        """A fresh cache for one session."""
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    def session_press(self, context_len: int, total_tokens: int | None) -> Any:
+        """The press that compresses this session's prefill (None: none)."""
+        return self.press
+
+    def snapshot(self, cache: Any) -> Any:
+        """What restores ``cache`` after a call; None: crop it back to its length after the prefill."""
+        return None
+
+    def restore(self, cache: Any, saved: Any) -> None:
+        """Put ``cache`` back as ``snapshot`` saw it."""
+        raise NotImplementedError
+
+    def after_forward(self, cache: Any) -> None:
+        """Called after every forward call that fed tokens after the context."""
+
     def _record(self, context_len: int, layer_lens: list[int]) -> None:
         self._sessions += 1
         self._context_tokens += context_len
@@ -221,7 +250,7 @@ class KVPressMethod(EvalMethod):
         """Prefill and compress ``context``. ``total_tokens`` is accepted for the harness
         interface and not used: a press's budget is a fraction of the *context* (kvpress's
         ``compression_ratio``), whatever follows it."""
-        return _PressSession(self, context)
+        return _PressSession(self, context, total_tokens)
 
     def describe(self) -> dict[str, Any]:
         d: dict[str, Any] = {

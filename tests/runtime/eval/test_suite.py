@@ -250,7 +250,8 @@ def test_run_suite_store_resume_table_and_plot(tiny, tmp_path):
              S.SuiteText("beta", haystack_text(300, 2), "test prose", "user")]
     cfg = S.SuiteConfig(texts=("alpha", "beta"), tasks=("perplexity", "passkey"), contexts=(448,), budgets=(0.5,),
                         trials=1, ppl_windows=1)
-    specs = [S.parse_method("full"), S.parse_method("tiered:name=exact,mode=exact")]
+    # float16 pages (a deployment's): 50 % of a 448-token window's float16 bytes holds T0 and the staging area
+    specs = [S.parse_method("full"), S.parse_method("tiered:name=exact,mode=exact,kv_dtype=float16")]
     logs: list[str] = []
     store = S.run_suite(specs, tiny.model, tiny.tokenizer, texts, cfg, tmp_path, log=logs.append, progress=False)
     assert len(store["results"]) == 2 * 2 * 2
@@ -283,9 +284,9 @@ def test_merge_stores_selects_renames_and_refuses_disagreeing_cells(tiny, tmp_pa
     cfg = S.SuiteConfig(texts=("alpha",), tasks=("perplexity", "passkey"), contexts=(448,), budgets=(0.5,),
                         trials=1, ppl_windows=1)
     a, b = tmp_path / "a", tmp_path / "b"
-    S.run_suite([S.parse_method("full"), S.parse_method("tiered:name=default,mode=exact")], tiny.model,
+    S.run_suite([S.parse_method("full"), S.parse_method("tiered:name=default,mode=exact,kv_dtype=float16")], tiny.model,
                 tiny.tokenizer, texts, cfg, a, progress=False)
-    S.run_suite([S.parse_method("full"), S.parse_method("tiered:name=default,mode=masked")], tiny.model,
+    S.run_suite([S.parse_method("full"), S.parse_method("tiered:name=default,mode=masked,kv_dtype=float16")], tiny.model,
                 tiny.tokenizer, texts, cfg, b, progress=False)
     # a's "default" kept under another name, b's full-cache cells equal a's (deduplicated)
     merged = S.merge_stores([S.parse_source(f"{a}:full,default=exact"), S.parse_source(str(b))])
@@ -293,7 +294,7 @@ def test_merge_stores_selects_renames_and_refuses_disagreeing_cells(tiny, tmp_pa
     assert keys == {f"{m}@{bud:g}/alpha/{t}@448" for m, bud in (("full", 1), ("exact", 0.5), ("default", 0.5))
                     for t in ("perplexity", "passkey")}
     exact = merged["results"]["exact@0.5/alpha/passkey@448"]
-    assert exact["renamed_from"] == "default" and exact["spec"] == "tiered:name=default,mode=exact"
+    assert exact["renamed_from"] == "default" and exact["spec"] == "tiered:name=default,mode=exact,kv_dtype=float16"
     src = json.loads((a / S.RESULTS_FILE).read_text())["results"]["default@0.5/alpha/perplexity@448"]
     assert merged["results"]["exact@0.5/alpha/perplexity@448"]["result"] == src["result"]
     assert merged["meta"]["config"]["trials"] == "1" and merged["meta"]["config"]["ppl_windows"] == "1"
@@ -371,6 +372,39 @@ def test_command_quick_on_a_tiny_model(tiny, tmp_path, eval_suite_tool):
     merged = tmp_path / "merged"
     assert eval_suite_tool.main(["--merge", f"{out}:full,streaming_llm=press", "--out", str(merged)]) == 0
     assert "| press |" in (merged / S.TABLE_FILE).read_text() and (merged / S.PLOT_FILE).is_file()
+
+
+@pytest.mark.eval
+def test_command_runs_the_equal_bytes_peers(tiny, tmp_path, eval_suite_tool):
+    """Issue #35: the quantized full cache (transformers' QuantizedCache, HQQ) at its own share of
+    the fp16 bytes and a press on it sized to each budget run from the suite's one command, next
+    to the tiered cache at the same budgets."""
+    pytest.importorskip("kvpress")
+    pytest.importorskip("hqq")
+    model = write_gguf(tmp_path / "tiny.gguf", tiny_model(seed=5))
+    f = tmp_path / "text.txt"
+    f.write_text(haystack_text(700))
+    out = tmp_path / "out"
+    argv = ["--model", str(model), "--quick", "--texts", f"mine={f}", "--tasks", "perplexity", "passkey",
+            "--methods", "full", "tiered:name=tiered,kv_dtype=float16", "quantized:int4,group=16",
+            "quantized:int2,group=16,residual=32,press=snapkv", "--budgets", "0.5", "0.25", "--out", str(out),
+            "--no-progress", "--threads", "1"]
+    assert eval_suite_tool.main(argv) == 0
+    store = json.loads((out / S.RESULTS_FILE).read_text())
+    cells = {(e["method"], e["budget"], e["task"]): e for e in store["results"].values()}
+    # full once, tiered and the pressed peer at both budgets, the lone quantized cache at its nominal share
+    assert {(m, b) for m, b, _ in cells} == {("full", 1.0), ("tiered", 0.5), ("tiered", 0.25),
+                                             ("quantized-int4", 0.375), ("quantized-int2+snapkv", 0.5),
+                                             ("quantized-int2+snapkv", 0.25)}
+    for task in ("perplexity", "passkey"):  # int2 at group 16 is 25 % of the fp16 bytes plus its residual
+        st = cells[("quantized-int2+snapkv", 0.25, task)]["result"]["stats"]
+        assert st["kv_fp16_fraction_peak"] <= 0.25 and st["kept_fraction"] < 1
+        st = cells[("quantized-int2+snapkv", 0.5, task)]["result"]["stats"]
+        assert st["kv_fp16_fraction_peak"] <= 0.5 and st["kept_fraction"] == 1  # fits: no press ran
+    assert cells[("quantized-int4", 0.375, "perplexity")]["backend"] == "quantized"
+    md = (out / S.TABLE_FILE).read_text()
+    assert "| quantized-int4 | 37.5 |" in md and "| quantized-int2+snapkv | 25 |" in md
+    assert eval_suite_tool.main(["--methods", "quantized:int3", "--out", str(tmp_path / "bad")]) == 2
 
 
 def test_command_errors_are_one_line(tmp_path, eval_suite_tool, capsys):

@@ -60,7 +60,7 @@ def test_bad_prompts_are_reported_per_prompt_in_input_order(loaded):
 
 def test_a_percentage_budget_is_a_share_of_max_model_len_so_short_prompts_run(loaded):
     ctx = loaded.config.max_position_embeddings
-    kv = TieredKVConfig(page_size=16, device_budget="25%")
+    kv = TieredKVConfig(page_size=16, device_budget="25%", budget_reference="float32")  # the tiny model's float32 pages
     llm = LLM.from_model(loaded.model, loaded.tokenizer, kv=kv)
     out = llm.generate(["Hi"], SamplingParams(max_new_tokens=8))[0]
     assert out.finish_reason in ("length", "eos") and out.error is None

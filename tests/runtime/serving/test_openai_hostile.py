@@ -23,7 +23,9 @@ from tieredkv.runtime.serving.deploy import EngineArgs
 MAX_LEN = 512
 MODEL = "tiny"
 LIMIT = 256 * 1024  # the test server's --max-request-bytes
-TIERED = dict(kv={"device_budget": "25%"}, scheduler={"max_model_len": MAX_LEN, "max_num_seqs": 8})
+# the tiny model's float32 pages: the 25 % counts their bytes (8 sequences' T0 must fit)
+TIERED = dict(kv={"device_budget": "25%", "budget_reference": "float32"},
+              scheduler={"max_model_len": MAX_LEN, "max_num_seqs": 8})
 CHAT = [{"role": "user", "content": "Say hi"}]
 
 

@@ -26,7 +26,9 @@ from tieredkv.runtime.serving.openai_server import bind_socket
 
 MAX_LEN = 512
 MODEL = "tiny"  # the served name: the checkpoint file's name without .gguf
-TIERED = dict(kv={"device_budget": "25%"}, scheduler={"max_model_len": MAX_LEN, "max_num_seqs": 8})
+# the tiny model's float32 pages: the 25 % counts their bytes (8 sequences' T0 must fit)
+TIERED = dict(kv={"device_budget": "25%", "budget_reference": "float32"},
+              scheduler={"max_model_len": MAX_LEN, "max_num_seqs": 8})
 PAGED = dict(scheduler={"max_model_len": MAX_LEN, "max_num_seqs": 8})
 PROMPTS = ["Hello there, the world", "the cat sat on the mat", "in the beginning", "a", "seven sins and the sea"]
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi to the world"}]
@@ -418,7 +420,8 @@ def test_cli_serve_end_to_end(gguf, tmp_path):
     """``tieredkv serve`` as users run it: a chat, a stream, then SIGTERM while a stream is in
     flight — the stream still completes (graceful drain) and the process exits 0."""
     log = tmp_path / "serve.log"
-    proc, url = start_cli(["--model", str(gguf), "--kv-budget", "25%", "--max-model-len", str(MAX_LEN),
+    # 50 % of the float16 bytes: the float32 pages of 25 % of the tokens
+    proc, url = start_cli(["--model", str(gguf), "--kv-budget", "50%", "--max-model-len", str(MAX_LEN),
                            "--max-num-seqs", "8", "--api-key", "k", "--log-level", "warning",
                            "--shutdown-timeout", "120"], log)
     try:

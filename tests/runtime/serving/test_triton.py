@@ -464,7 +464,7 @@ def test_cli_writes_a_repository_the_server_loads(server, repo, workdir, monkeyp
 
     monkeypatch.chdir(workdir)
     assert main(["triton-repo", "--output", str(repo), "--model-name", "cli", "--model", "tiny.gguf",
-                 "--kv-budget", "25%", "--page-size", "8", "--max-num-seqs", "4", "--max-model-len", "512",
+                 "--kv-budget", "50%", "--page-size", "8", "--max-num-seqs", "4", "--max-model-len", "512",
                  "--on-cancel", "keep"]) == 0
     assert 'string_value: "keep"' in (repo / "cli" / "config.pbtxt").read_text()
     args = EngineArgs.load(repo / "cli" / "1" / ENGINE_ARGS_FILE)

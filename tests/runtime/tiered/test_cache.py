@@ -508,3 +508,22 @@ def test_dense_layers_attend_every_page(monkeypatch):
     assert torch.equal(dense, every)
     _, needed = decode(attention_budget="20%", dense_layers=1)
     assert all((n == m) == (layer == 0) for layer, n, m in needed)
+
+
+def test_a_float32_cache_at_the_float16_reference_holds_half_the_pages(ref_tokens):
+    """Issue #35: a percentage counts the full cache's float16 bytes by default, so the tiny
+    model's float32 pages get half the pages the float32 reference gives them, the cache never
+    owns more than those float16 bytes, and exact mode still loses nothing."""
+    spec = MODEL.kv_spec()
+    assert spec.dtype == torch.float32
+    full = len(PROMPTS[0]) + 24
+    tokens = {ref: TieredKVCache(spec, TieredKVConfig(**{**SMALL, "budget_reference": ref}, device_budget="50%",
+                                                      attention_budget="100%"), full_tokens=full)
+              for ref in ("float16", "float32")}
+    f16, f32 = tokens["float16"], tokens["float32"]
+    assert f16.budgets.device_pages == full // 2 // 2 // 8 == f32.budgets.device_pages // 2
+    assert f16.budgets.given[0].bytes == full // 2 * spec.token_bytes_per_layer // 2 * L
+    assert [c.token_ids for c in run(f16, PROMPTS[:1])] == ref_tokens[:1]
+    m = f16.metrics
+    assert 0 < m.resident_bytes_max <= resident_cap_bytes(f16) <= f16.budgets.given[0].bytes
+    assert m.misses > 0  # the budget bit: pages were streamed back

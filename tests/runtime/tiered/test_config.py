@@ -2,6 +2,7 @@
 bad value naming the setting, TOML / YAML files with tables or flat keys."""
 
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 from helpers import SMALL_KV as SMALL
@@ -40,6 +41,9 @@ def test_bad_budgets(bad):
     (dict(warm_codec=""), r"warm_codec \(warm.codec\): unknown value ''"),
     (dict(warm_fraction=0.0), r"warm_fraction \(warm.fraction\): must be 'auto' or a number in \(0, 1\], got 0"),
     (dict(kv_dtype="int8"), "kv_dtype: unknown value 'int8'"),
+    (dict(budget_reference="int8"), r"budget_reference \(budgets.reference_dtype\): unknown value 'int8'; expected "
+                                    r"one of \['bfloat16', 'float16', 'float32'\]"),
+    (dict(budget_reference=16), r"budget_reference \(budgets.reference_dtype\): must be a string"),
     (dict(score_weights=0.5), "score_weights .*must be a list of 3"),
     (dict(selection_weights=(1.0, 0.0)), r"selection_weights \(selection.weights\): must be a list of 3"),
     (dict(policy=["lru"]), "policy .*must be a string"),
@@ -73,7 +77,7 @@ def test_sections_and_flat_names_are_one_configuration():
 def test_host_overflow_without_disk_is_a_typed_error():
     with pytest.raises(ConfigError, match="disk_path"):
         resolve_budgets(TieredKVConfig(device_budget=96, host_budget=64, **SMALL), num_layers=2,
-                        token_bytes_per_layer=64, full_tokens=400)
+                        token_bytes_per_layer=64, full_tokens=400, dtype=torch.float32)
 
 
 def test_config_files(tmp_path):
@@ -125,7 +129,7 @@ def test_non_finite_and_oversized_values_are_refused_up_front():
             TieredKVConfig(**bad)
     with pytest.raises(ConfigError, match="GiB of memory: expected a budget that fits"):
         resolve_budgets(TieredKVConfig(device_budget="1TB", warm_codec="off"), num_layers=30, token_bytes_per_layer=1536,
-                        full_tokens=100)
+                        full_tokens=100, dtype=torch.float32)
 
 
 def test_an_alias_bomb_gives_a_short_error(tmp_path):
@@ -162,6 +166,74 @@ def test_any_mapping_is_a_config_or_a_config_error(mapping):
 def test_attention_budget_default_and_unlimited(given, pages):
     """No attention budget: what fits in the device budget; '100%' / 'unlimited': every page."""
     kw = {} if given is None else {"attention_budget": given}
-    b = resolve_budgets(TieredKVConfig(device_budget="25%", warm_codec="off", **kw), num_layers=30, token_bytes_per_layer=1536,
-                        full_tokens=1032)
+    b = resolve_budgets(TieredKVConfig(device_budget="25%", warm_codec="off", **kw), num_layers=30, token_bytes_per_layer=768,
+                        full_tokens=1032, dtype=torch.float16)
     assert (b.device_pages, b.attention_pages) == (16, pages)
+
+
+# ------------------------------------------------------------------ the reference dtype
+def _resolve(budget, dtype, reference="float16", **kw):
+    """SmolLM2-135M's shape (30 layers, 3 kv heads of 64), 16-token pages, an 8k context."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return resolve_budgets(TieredKVConfig(device_budget=budget, warm_codec="off", budget_reference=reference, **kw),
+                           num_layers=30, token_bytes_per_layer=2 * 3 * 64 * elem, full_tokens=8192, dtype=dtype)
+
+
+@pytest.mark.parametrize("budget", ["25%", "12.5%", "6.25%", "50%"])
+def test_a_percentage_is_the_same_bytes_whatever_the_pages_are_stored_in(budget):
+    """The issue's 'done when': the same '25%' gives the same bytes with float32, float16 and
+    bfloat16 pages (a share of the full cache's float16 bytes), so float32 pages get half the
+    tokens."""
+    f32, f16, bf16 = (_resolve(budget, d) for d in (torch.float32, torch.float16, torch.bfloat16))
+    assert f32.page_bytes == 2 * f16.page_bytes == 2 * bf16.page_bytes
+    assert f32.device_pages * f32.page_bytes == f16.device_pages * f16.page_bytes == bf16.device_pages * bf16.page_bytes
+    assert f16.device_pages == 2 * f32.device_pages == int(float(budget[:-1]) / 100 * 8192) // 16
+    share = float(budget[:-1]) / 100
+    assert f32.given[0].bytes == f16.given[0].bytes == int(share * 8192 * 30 * 2 * 3 * 64 * 2)
+
+
+def test_the_reference_dtype_decides_what_a_percentage_counts():
+    """A float32 cache: 25 % of the float16 bytes is half the pages 25 % of the float32 bytes
+    is; float32 pages at the float32 reference (the old meaning) get a quarter of the tokens."""
+    half, whole = _resolve("25%", torch.float32), _resolve("25%", torch.float32, "float32")
+    assert (half.device_pages, whole.device_pages) == (64, 128)
+    assert _resolve("25%", torch.float16, "float32").device_pages == 256  # fp16 pages, fp32 bytes: half the tokens
+    assert _resolve("25%", torch.float16, "bfloat16").device_pages == 128
+
+
+def test_bytes_and_token_budgets_do_not_use_the_reference():
+    for reference in ("float16", "float32"):
+        assert _resolve("23040KiB", torch.float32, reference).device_pages == 32  # 512 float32 tokens
+        assert _resolve(512, torch.float32, reference).device_pages == 32
+
+
+def test_percentage_attention_and_host_budgets_count_reference_bytes_too():
+    b = _resolve("25%", torch.float32, attention_budget="50%", host_budget="100%")
+    assert (b.device_pages, b.attention_pages, b.host_pages) == (64, 128, None)
+
+
+def test_the_resolved_budgets_state_their_bytes_and_reference():
+    b = _resolve("25%", torch.float32)
+    text = b.describe()
+    assert "device budget 25% of the full cache's float16 bytes = 45.00 MiB (47185920 B)" in text
+    assert "-> 64 page(s) per layer of float32 pages (737280 B each, all layers)" in text
+    d = b.to_dict()
+    assert (d["reference_dtype"], d["stored_dtype"], d["device"]) == (
+        "float16", "float32", {"given": "25%", "kind": "percent", "bytes": 47185920, "pages_per_layer": 64})
+    assert d["device_pages"] * d["page_bytes"] == d["device"]["bytes"]
+
+
+def test_a_budget_too_small_for_t0_names_the_reference():
+    with pytest.raises(ConfigError, match=r"device_budget 1% \(of the full cache's float16 bytes, float32 pages\) "
+                                          r"gives 2 pages per layer.*\(or pages stored in float16: kv_dtype = "
+                                          r"'float16' holds 2x the tokens in these bytes\)"):
+        _resolve("1%", torch.float32)
+    with pytest.raises(ConfigError, match=r"tokens per layer$"):  # float16 pages: no such hint
+        _resolve("1%", torch.float16)
+
+
+def test_the_reference_from_a_file(tmp_path):
+    path = tmp_path / "kv.toml"
+    path.write_text('[tiered_kv.budgets]\ndevice = "25%"\nreference_dtype = "float32"\n')
+    assert TieredKVConfig.from_file(path).budgets.reference_dtype == "float32"
+    assert TieredKVConfig().flat()["budget_reference"] == "float16"

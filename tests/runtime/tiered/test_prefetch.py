@@ -86,7 +86,7 @@ def test_replay_of_an_access_log_gives_the_live_prefetch_counters(predictor, tmp
     _, live_cache = run(config(prefetch_predictor=predictor, prefetch_distance=2), recorder=rec)
     live = live_cache.metrics
     rec.trace.save(tmp_path / "log.pt")
-    sim = replay(AccessTrace.load(tmp_path / "log.pt"), config(), token_bytes_per_layer=MODEL.kv_spec().token_bytes_per_layer,
+    sim = replay(AccessTrace.load(tmp_path / "log.pt"), config(), token_bytes_per_layer=MODEL.kv_spec().token_bytes_per_layer, dtype=MODEL.kv_spec().dtype,
                  full_tokens=len(PROMPT) + 24, predictor=predictor, prefetch_distance=2)
     for key in ("hits", "misses", "prefetched_pages", "prefetch_hits", "prefetch_layer_ahead_pages", "fetched_pages",
                 "evicted_pages", "bytes_h2d", "bytes_prefetch"):
@@ -96,7 +96,7 @@ def test_replay_of_an_access_log_gives_the_live_prefetch_counters(predictor, tmp
 def test_the_oracle_bounds_the_predictors_and_prefetch_cuts_stalls():
     rec = TraceRecorder(speculate=True)
     run(config(), n=40, recorder=rec)
-    args = dict(token_bytes_per_layer=64, full_tokens=len(PROMPT) + 40)
+    args = dict(token_bytes_per_layer=64, dtype=MODEL.kv_spec().dtype, full_tokens=len(PROMPT) + 40)
     base = replay(rec.trace, config(), **args)
     results = {p: replay(rec.trace, config(), predictor=p, prefetch_distance=1, **args)
                for p in ("oracle", "last", "vote", "recency", "quest-next-layer")}
@@ -111,7 +111,7 @@ def test_the_oracle_bounds_the_predictors_and_prefetch_cuts_stalls():
 def test_masked_mode_attends_the_pages_prefetch_brought_in():
     rec = TraceRecorder()
     run(config(), n=40, recorder=rec)
-    args = dict(token_bytes_per_layer=64, full_tokens=len(PROMPT) + 40)
+    args = dict(token_bytes_per_layer=64, dtype=MODEL.kv_spec().dtype, full_tokens=len(PROMPT) + 40)
     none = replay(rec.trace, config("masked"), **args)
     oracle = replay(rec.trace, config("masked"), predictor="oracle", prefetch_distance=1, **args)
     assert oracle.masked < none.masked

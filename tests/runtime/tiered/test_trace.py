@@ -29,7 +29,7 @@ def test_trace_replay_equals_live_run(policy, mode, tmp_path):
     trace, live = recorded(cfg, list(range(7, 237)), 30, 260)
     trace.save(tmp_path / "trace.pt")
     sim = replay(AccessTrace.load(tmp_path / "trace.pt"), cfg,
-                 token_bytes_per_layer=MODEL.kv_spec().token_bytes_per_layer, full_tokens=260)
+                 token_bytes_per_layer=MODEL.kv_spec().token_bytes_per_layer, dtype=MODEL.kv_spec().dtype, full_tokens=260)
     for key in ("hits", "misses", "masked", "streamed_pages", "staging_rounds", "fetched_pages", "evicted_pages",
                 "writebacks", "bytes_h2d", "bytes_d2h", "demotions", "promotions", "decode_steps", "prefill_steps"):
         assert getattr(sim, key) == getattr(live, key), key
@@ -38,7 +38,7 @@ def test_trace_replay_equals_live_run(policy, mode, tmp_path):
 def test_belady_is_an_upper_bound():
     cfg = TieredKVConfig(device_budget="30%", attention_budget="25%", **SMALL)
     trace, _ = recorded(cfg, list(range(7, 257)), 40, 300)
-    rates = {p: replay(trace, cfg.replace(policy=p), token_bytes_per_layer=64, full_tokens=300).hit_rate
+    rates = {p: replay(trace, cfg.replace(policy=p), token_bytes_per_layer=64, dtype=MODEL.kv_spec().dtype, full_tokens=300).hit_rate
              for p in sorted(POLICIES) if p != "full"}
     assert all(rates["belady"] >= r - 1e-9 for r in rates.values()), rates
 

@@ -17,7 +17,8 @@ from tieredkv.runtime.tiered.cache import TieredKVCache
 from tieredkv.runtime.tiered.config import TieredKVConfig
 from tieredkv.runtime.tiered.layer_step import LayerStep
 
-SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2)
+#: the tiny model's float32 pages: percentages count their own bytes (as the tests were sized)
+SMALL = dict(page_size=8, sink_tokens=4, recent_tokens=16, staging_pages=2, budget_reference="float32")
 MODEL = tiny_model(seed=3)
 L = MODEL.config.num_layers
 
@@ -130,7 +131,7 @@ def test_auto_warm_fraction_is_the_least_share_that_holds_the_work(budget, full,
         cfg = TieredKVConfig(device_budget=budget * seqs, warm_codec=codec, warm_fraction=fraction, **SMALL)
         try:
             return resolve_budgets(cfg, num_layers=L, token_bytes_per_layer=tok, full_tokens=full,
-                                   num_sequences=seqs, warm_page_bytes=wpb)
+                                   dtype=getattr(torch, dtype), num_sequences=seqs, warm_page_bytes=wpb)
         except ConfigError:
             return None
     auto, one = resolve("auto"), resolve(1.0)
@@ -202,15 +203,17 @@ def test_keeping_decoded_warm_pages_changes_nothing():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_auto_resolves_like_fraction_one_where_the_suite_measured_it(budget, dtype):
     """docs/benchmarks.md §7 reports the warm_fraction=1 runs at 25 % and 12.5 % of a 2k
-    SmolLM2-135M context as the "auto" default's: there the two resolve to the same budgets."""
+    SmolLM2-135M context as the "auto" default's: there the two resolve to the same budgets
+    (those runs counted a percentage in the stored dtype's bytes: ``budget_reference`` = it)."""
     from tieredkv.models.cache import KVSpec
 
     spec = KVSpec(num_layers=30, num_kv_heads=3, head_dim=64, dtype=dtype)
     wpb = page_bytes(CODECS["int4"], 3, 16, 64)
     for full in range(1900, 2200, 7):  # the suite's prompts: about 2048 tokens, answer included
-        auto, one = (resolve_budgets(TieredKVConfig(device_budget=budget, warm_fraction=f), num_layers=30,
-                                     token_bytes_per_layer=spec.token_bytes_per_layer, full_tokens=full,
-                                     warm_page_bytes=wpb) for f in ("auto", 1.0))
+        reference = str(dtype).removeprefix("torch.")
+        auto, one = (resolve_budgets(TieredKVConfig(device_budget=budget, warm_fraction=f, budget_reference=reference),
+                                     num_layers=30, token_bytes_per_layer=spec.token_bytes_per_layer,
+                                     full_tokens=full, dtype=dtype, warm_page_bytes=wpb) for f in ("auto", 1.0))
         assert auto == one, full
 
 
