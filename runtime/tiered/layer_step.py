@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from tieredkv.models.cache import attention, gather_pages
+from tieredkv.models.cache import gather_pages
 from tieredkv.plugins.importance_score import (RELEVANCE_ONLY, distance_bucket, importance_score, mix,
                                                relevance_and_ranking)
 from tieredkv.plugins.select_pages import ATTEND_ALL, select_pages
@@ -51,32 +51,27 @@ def attend_pages(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     each page, mean over the query heads, summed over the queries."""
     b, h, t, d = q.shape
     _, kvh, m, p, _ = k_pages.shape
-    g = h // kvh
     if allowed is None:
         allowed = allowed_keys(page_mask, page_index, seq_len, past, t, p)
-    k = k_pages.reshape(b, kvh, m * p, d).float()
-    v = v_pages.reshape(b, kvh, m * p, d).float()
-    out = fused_attention(q, k, v, allowed)[0]
-    logits = torch.matmul(q.float().reshape(b, kvh, g * t, d), k.transpose(-1, -2)).view(b, kvh, g, t, m * p)
-    logits = (logits * d ** -0.5).masked_fill_(~allowed, float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a query that sees no key: all -inf -> nan -> 0
-    mass = probs.view(b, kvh * g, t, m, p).sum(-1).mean(1).sum(1)
+    out, probs = _attend(q, k_pages.reshape(b, kvh, m * p, d), v_pages.reshape(b, kvh, m * p, d), allowed)
+    mass = probs.view(b, h, t, m, p).sum(-1).mean(1).sum(1)
     return out, mass
 
 
-def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    allowed: torch.Tensor) -> tuple[torch.Tensor, None]:
-    """The output of attention over gathered keys (the paged cache's fused kernel, so a step's
-    output does not depend on whether the cache also measured page masses): q [B, H, T, D], k, v
-    [B, KVH, S, D], allowed [B, 1 or KVH, 1, T, S] (:func:`allowed_keys`). A query that sees no
-    key gets zeros."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over gathered keys, in float32: q [B, H, T, D], k, v [B, KVH, S, D], allowed
+    [B, 1 or KVH, 1, T, S] (:func:`allowed_keys`) -> (out [B, H, T, D] in q's dtype, zeros for a
+    query that sees no key; probs [B, KVH, G * T, S]). One formula whether or not the caller
+    wants the probabilities, so measuring page masses never changes a step's output."""
     b, h, t, d = q.shape
-    kvh = k.shape[1]
-    mask = allowed.squeeze(2)  # [B, 1 or KVH, T, S]
-    if mask.shape[1] > 1:  # a mask per kv head: one per query head of its group
-        mask = mask.repeat_interleave(h // kvh, dim=1)
-    out = attention(q.float(), k.float(), v.float(), mask).nan_to_num_(0.0)
-    return out.to(q.dtype), None
+    kvh, s = k.shape[1], k.shape[2]
+    g = h // kvh
+    logits = torch.matmul(q.float().reshape(b, kvh, g * t, d), k.float().transpose(-1, -2)).view(b, kvh, g, t, s)
+    logits = (logits * d ** -0.5).masked_fill_(~allowed, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0).view(b, kvh, g * t, s)  # no key seen: nan -> 0
+    out = torch.matmul(probs, v.float()).view(b, h, t, d).to(q.dtype)
+    return out, probs
 
 
 def allowed_keys(page_mask: torch.Tensor, page_index: torch.Tensor, seq_len: torch.Tensor, past: torch.Tensor,
@@ -132,8 +127,8 @@ class LayerStep:
         self.ran = False  # a layer attended (or an engine's graph ran): the step has something to record
         self.moves_inside = cache._speculate  # a layer-ahead prefetch may move pages during the step
         # nothing to do: no selection, every page full precision on the device, room for the next
-        # window, no predictor or access log reading the masses -> the paged cache's attention,
-        # without the per-page mass (the pages' importance is measured again once the device is pressed)
+        # window, no predictor or access log reading the masses -> the attention alone, without the
+        # per-page mass (the pages' importance is measured again once the device is pressed)
         self.measure = not (not self.selecting and not any(self.off) and self.all_full and self.exact_choice is None
                             and not mgr.pressed() and mgr.prefetcher is None and cache.recorder is None
                             and not self.moves_inside)
@@ -262,11 +257,11 @@ class LayerStep:
                                                  pool_k.shape[2])
             allowed = self._allowed_all
         page_mask = att if heads is None else pick(heads) & att.unsqueeze(1)
-        if not self.measure:  # the paged cache's path: fused attention, no mass
+        if not self.measure:  # nothing to measure: the attention alone, no per-page mass
             if allowed is None:
                 allowed = allowed_keys(page_mask, pick(self.index), self.seq_len, self.past, q.shape[2], k.shape[3])
             kvh, _, p, d = k.shape[1:]
-            return fused_attention(q, k.view(B, kvh, width * p, d), v.view(B, kvh, width * p, d), allowed)
+            return _attend(q, k.view(B, kvh, width * p, d), v.view(B, kvh, width * p, d), allowed)[0], None
         out, mass = attend_pages(q, k, v, page_mask, pick(self.index), self.seq_len, self.past, allowed=allowed)
         if cols is not None:
             mass = torch.zeros(B, M, device=mass.device).scatter_(1, cols, mass)

@@ -343,8 +343,8 @@ def test_cli_eval_perplexity_with_engine_equals_the_model(built, tmp_path, capsy
     text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     common = ["eval", "perplexity", "--text-file", str(text), "--window", "256", "--max-windows", "2", "--json"]
     values = []
-    for extra in (["--engine", str(built[1]), "--kv-budget", "50%", "--mode", "exact"],
-                  ["--model", str(built[0]), "--page-size", str(PAGE), "--kv-budget", "50%", "--mode", "exact"]):
+    budget = ["--kv-budget", "50%", "--budget-reference", "float32", "--mode", "exact"]  # 50 % of the float32 pages
+    for extra in (["--engine", str(built[1]), *budget], ["--model", str(built[0]), "--page-size", str(PAGE), *budget]):
         assert main(common + extra) == 0
         values.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["perplexity"])
     assert values[0] == pytest.approx(values[1], rel=1e-5)
@@ -358,7 +358,7 @@ def test_cli_eval_passkey_with_engine_equals_the_model(built, tmp_path, capsys):
     text = tmp_path / "hay.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
     kv = tmp_path / "kv.toml"
-    kv.write_text('mode = "exact"\ndevice_budget = "50%"\n')  # the default warm tier and exact reads
+    kv.write_text('mode = "exact"\ndevice_budget = "50%"\nbudget_reference = "float32"\n')  # default warm tier, exact reads
     common = ["eval", "passkey", "--haystack-file", str(text), "--context", "300", "--trials", "2", "--json"]
     results = []
     for extra in (["--engine", str(built[1]), "--kv-config", str(kv)],
