@@ -70,6 +70,17 @@ def causal_mask(past: torch.Tensor, num_new: int, kv_len: int) -> torch.Tensor:
     return s <= (past.view(-1, 1, 1, 1) + t)
 
 
+def gather_pages(pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """Pages [B, M] (slots) of one layer's page pool [C, KVH, P, D] as [B, KVH, M, P, D], in one
+    copy: each (page, kv head) row of P x D values is read whole, in the order attention reads
+    them (``.view(B, KVH, M * P, D)`` is then the keys of each kv head in logical order, with
+    no second copy to move the heads in front of the pages)."""
+    c, kvh, p, d = pool.shape
+    b, m = pages.shape
+    rows = (pages.unsqueeze(1) * kvh + torch.arange(kvh, device=pages.device).view(1, kvh, 1)).flatten()
+    return pool.reshape(c * kvh, p, d).index_select(0, rows).view(b, kvh, m, p, d)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Scaled dot-product attention with grouped-query heads.
 

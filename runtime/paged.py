@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from tieredkv.errors import ConfigError, KVCacheFullError, short
-from tieredkv.models.cache import KVCache, KVSpec, KVUsage, Step, attention, causal_mask
+from tieredkv.models.cache import KVCache, KVSpec, KVUsage, Step, attention, causal_mask, gather_pages
 
 
 @dataclass(frozen=True)
@@ -354,5 +354,4 @@ class _PagedStep:
 def _gather(pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """Pages [B, M] of one layer's pool [C, KVH, P, D] as [B, KVH, M * P, D]."""
     b, m = pages.shape
-    got = pool.index_select(0, pages.flatten()).view(b, m, *pool.shape[1:])
-    return got.permute(0, 2, 1, 3, 4).reshape(b, pool.shape[1], m * pool.shape[2], pool.shape[3])
+    return gather_pages(pool, pages).view(b, pool.shape[1], m * pool.shape[2], pool.shape[3])

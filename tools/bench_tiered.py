@@ -2,7 +2,8 @@
 
     python tools/bench_tiered.py hitrate  [--budgets 0.5 0.25 0.125] [--attention-ratios 1 0.5] [--windows 1]
                                           [--out results/hitrate]
-    python tools/bench_tiered.py overhead [--preset llama2-70b] [--context 32768] [--steps 50] [--out results/overhead]
+    python tools/bench_tiered.py overhead [--preset llama2-70b] [--context 32768] [--batch 1] [--steps 50]
+                                          [--out results/overhead]
 
 hitrate: records SmolLM2 access traces in exact mode (the perplexity protocol: a 4096
 window, the first 3/4 as context, the last 1/4 teacher-forced one token per step; device
@@ -18,7 +19,8 @@ replacement policy can earn its keep.
 
 overhead: CPU time of (a) the importance scorer (ImportanceScore: every page of one layer
 for one decode step; the design note's target is < 0.1 ms) and the selection after it
-(SelectPages), (b) the tier manager's per-step work for all layers: ``end_step`` (statistics,
+(SelectPages), (b) the tier manager's per-step work for all layers and ``--batch`` sequences
+(each ``--context`` tokens): the step's record (what every layer attended) and ``end_step`` (statistics,
 migration windows, demand admission with eviction) alone and with ``begin_step`` (new
 records and slots, T0), at a preset's shape with a long context. Model compute is excluded: the cache is driven with synthetic scores and a
 synthetic access pattern (recency-heavy with recurring pages), and pages carry one value
@@ -133,8 +135,9 @@ def cmd_overhead(args: argparse.Namespace) -> int:
     n_pages = args.context // P
     L, KVH, D, H = c.num_layers, c.num_kv_heads, c.head_dim, c.num_heads
     cfg = TieredKVConfig(device_budget=f"{100 * args.budget:g}%", policy=args.policy, mode="exact", warm_codec="off")
+    B = args.batch
     budgets = resolve_budgets(cfg, num_layers=L, token_bytes_per_layer=2 * KVH * D * 2, full_tokens=args.context,
-                              dtype=torch.float16)
+                              num_sequences=B, dtype=torch.float16)
     A = budgets.attention_pages
 
     # (a) ImportanceScore + SelectPages (the op references the runtime calls) for one layer and step, real shapes
@@ -160,41 +163,44 @@ def cmd_overhead(args: argparse.Namespace) -> int:
     score_ms, select_ms = 1000 * statistics.median(score_times), 1000 * statistics.median(select_times)
     scorer_ms = score_ms + select_ms
 
-    # (b) the manager: a sequence of n_pages pages, resident at the budget, decode steps
+    # (b) the manager: B sequences of n_pages pages each, resident at the budget, decode steps
     policy = make_policy(cfg.migration.policy)
     mgr = TierManager(num_layers=L, kv_heads=1, head_dim=1, dtype=torch.float32, config=cfg, budgets=budgets,
                       policy=policy)
-    mgr.add_sequence(0)
-    chunk = max(P, (budgets.resident_pages - cfg.t0_pages) * P)
+    seqs = tuple(range(B))
+    for b in seqs:
+        mgr.add_sequence(b)
+    chunk = max(P, (budgets.resident_pages // B - cfg.t0_pages) * P)
     done = 0
     while done < args.context - 1:  # fill the cache (prefill in budget-sized chunks)
         n = min(chunk, args.context - 1 - done)
-        mgr.begin_step((0,), n)
+        mgr.begin_step(seqs, n)
         mgr.end_step(decode=False)
         done += n
     gen = torch.Generator().manual_seed(1)
-    hot = torch.randint(1, n_pages - 8, (L, A // 2), generator=gen)  # recurring pages
-    rows = torch.arange(L).unsqueeze(1)
+    hot = torch.randint(1, n_pages - 8, (L, B, A // 2), generator=gen)  # recurring pages
+    rows, cols = torch.arange(L).view(L, 1, 1), torch.arange(B).view(1, B, 1)
     step_times, begin_times = [], []
     for s in range(args.steps):
         t_begin = time.perf_counter()
-        plan = mgr.begin_step((0,), 1)
+        plan = mgr.begin_step(seqs, 1)
         begin_times.append(time.perf_counter() - t_begin)
-        m = plan.lengths[0]
-        needed = torch.zeros(L, m, dtype=torch.bool)
-        needed[:, max(1, m - 6 - A // 2): m - 5] = True  # the pages just behind the recent window
-        needed[rows, hot.clamp(max=m - 7)] = True
-        needed[rows, torch.randint(1, m - 6, (L, A // 4), generator=gen)] = True
-        selected = (needed | plan.t0[0]).unsqueeze(1)  # [L, 1, M]
+        m = plan.width  # every sequence has the same length here
+        needed = torch.zeros(L, B, m, dtype=torch.bool)
+        needed[:, :, max(1, m - 6 - A // 2): m - 5] = True  # the pages just behind the recent window
+        needed[rows, cols, hot.clamp(max=m - 7)] = True
+        needed[rows, cols, torch.randint(1, m - 6, (L, B, A // 4), generator=gen)] = True
+        selected = needed | plan.t0.unsqueeze(0)  # [L, B, M]
+        importance, mass = torch.rand(L, B, m), torch.rand(L, B, m) * needed
+        t_start = time.perf_counter()  # the step's record and its end, timed together
         mgr.record_step(plan, StepRecord(selected=selected, attended=selected, relevance=None,
-                                         importance=torch.rand(L, 1, m), mass=torch.rand(L, 1, m) * needed.unsqueeze(1)))
-        t_start = time.perf_counter()
+                                         importance=importance, mass=mass))
         mgr.end_step(decode=True)
         step_times.append(time.perf_counter() - t_start)
     manager_ms = 1000 * statistics.median(step_times[5:] or step_times)
     totals = [b + e for b, e in zip(begin_times, step_times)]
     total_ms = 1000 * statistics.median(totals[5:] or totals)
-    res = {"preset": args.preset, "context": args.context, "pages_per_layer": n_pages, "layers": L,
+    res = {"preset": args.preset, "context": args.context, "batch": B, "pages_per_layer": n_pages, "layers": L,
            "device_budget": cfg.budgets.device, "resident_pages_per_layer": budgets.resident_pages,
            "attention_pages": A, "policy": cfg.migration.policy, "threads": torch.get_num_threads(),
            "scorer_ms_per_layer_step": round(score_ms, 4), "selection_ms_per_layer_step": round(select_ms, 4),
@@ -207,7 +213,7 @@ def cmd_overhead(args: argparse.Namespace) -> int:
            "date": time.strftime("%Y-%m-%d")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"overhead_{args.preset}_{args.context}.json").write_text(json.dumps(res, indent=1))
+    (out / f"overhead_{args.preset}_{args.context}_b{B}.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
     return 0
 
@@ -228,6 +234,7 @@ def main() -> int:
     o.add_argument("--budget", type=float, default=0.25)
     o.add_argument("--policy", default="lfu-importance")
     o.add_argument("--steps", type=int, default=50)
+    o.add_argument("--batch", type=int, default=1, help="sequences decoded together, each --context tokens")
     o.add_argument("--out", default="results/overhead")
     args = ap.parse_args()
     return cmd_hitrate(args) if args.cmd == "hitrate" else cmd_overhead(args)

@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from tieredkv.models.cache import attention, gather_pages
 from tieredkv.plugins.importance_score import (RELEVANCE_ONLY, distance_bucket, importance_score, mix,
                                                relevance_and_ranking)
 from tieredkv.plugins.select_pages import ATTEND_ALL, select_pages
@@ -42,24 +43,40 @@ def attend_pages(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     """TieredAttention after the gather (``plugins.tiered_attention.attention_over_pages``'s
     semantics, computed in float32), returning the output and each page's attention mass.
 
-    q [B, H, T, D]; k_pages, v_pages [B, M, KVH, P, D]; page_mask [B, M] bool (or [B, KVH, M]: a
+    q [B, H, T, D]; k_pages, v_pages [B, KVH, M, P, D] (head-major: :func:`gather_pages`'s
+    layout); page_mask [B, M] bool (or [B, KVH, M]: a
     mask per kv head); page_index, seq_len, past as in ``tiered_attention``; ``allowed``: their
     :func:`allowed_keys` when the caller has it already. Returns out [B, H, T, D] (q's dtype;
     zeros for a query that sees no key) and mass [B, M] float32: the attention probability on
     each page, mean over the query heads, summed over the queries."""
     b, h, t, d = q.shape
-    _, m, kvh, p, _ = k_pages.shape
+    _, kvh, m, p, _ = k_pages.shape
     g = h // kvh
     if allowed is None:
         allowed = allowed_keys(page_mask, page_index, seq_len, past, t, p)
-    k = k_pages.permute(0, 2, 1, 3, 4).reshape(b, kvh, m * p, d).float()
-    v = v_pages.permute(0, 2, 1, 3, 4).reshape(b, kvh, m * p, d).float()
+    k = k_pages.reshape(b, kvh, m * p, d).float()
+    v = v_pages.reshape(b, kvh, m * p, d).float()
+    out = fused_attention(q, k, v, allowed)[0]
     logits = torch.matmul(q.float().reshape(b, kvh, g * t, d), k.transpose(-1, -2)).view(b, kvh, g, t, m * p)
     logits = (logits * d ** -0.5).masked_fill_(~allowed, float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a query that sees no key: all -inf -> nan -> 0
-    out = torch.matmul(probs.view(b, kvh, g * t, m * p), v).view(b, h, t, d).to(q.dtype)
     mass = probs.view(b, kvh * g, t, m, p).sum(-1).mean(1).sum(1)
     return out, mass
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    allowed: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """The output of attention over gathered keys (the paged cache's fused kernel, so a step's
+    output does not depend on whether the cache also measured page masses): q [B, H, T, D], k, v
+    [B, KVH, S, D], allowed [B, 1 or KVH, 1, T, S] (:func:`allowed_keys`). A query that sees no
+    key gets zeros."""
+    b, h, t, d = q.shape
+    kvh = k.shape[1]
+    mask = allowed.squeeze(2)  # [B, 1 or KVH, T, S]
+    if mask.shape[1] > 1:  # a mask per kv head: one per query head of its group
+        mask = mask.repeat_interleave(h // kvh, dim=1)
+    out = attention(q.float(), k.float(), v.float(), mask).nan_to_num_(0.0)
+    return out.to(q.dtype), None
 
 
 def allowed_keys(page_mask: torch.Tensor, page_index: torch.Tensor, seq_len: torch.Tensor, past: torch.Tensor,
@@ -114,6 +131,12 @@ class LayerStep:
         self._allowed_all = None  # the keys every query may see when a layer attends every page
         self.ran = False  # a layer attended (or an engine's graph ran): the step has something to record
         self.moves_inside = cache._speculate  # a layer-ahead prefetch may move pages during the step
+        # nothing to do: no selection, every page full precision on the device, room for the next
+        # window, no predictor or access log reading the masses -> the paged cache's attention,
+        # without the per-page mass (the pages' importance is measured again once the device is pressed)
+        self.measure = not (not self.selecting and not any(self.off) and self.all_full and self.exact_choice is None
+                            and not mgr.pressed() and mgr.prefetcher is None and cache.recorder is None
+                            and not self.moves_inside)
         self.rec = StepRecord.empty(L, plan)
         for name in ("selected", "attended", "relevance", "mass"):
             setattr(self.rec, name, getattr(self.rec, name).to(dev))
@@ -154,7 +177,9 @@ class LayerStep:
         t_attend = time.perf_counter()
         out, mass = self.gather_and_attend(layer, q, selected, attended, heads, exact)
         rec = self.rec
-        rec.selected[layer], rec.attended[layer], rec.mass[layer] = selected, attended, mass
+        rec.selected[layer], rec.attended[layer] = selected, attended
+        if mass is not None:
+            rec.mass[layer] = mass
         if relevance is not None:
             rec.relevance[layer] = relevance
         if exact is not None:
@@ -220,16 +245,16 @@ class LayerStep:
         dslot, att = pick(dslot), pick(attended)
         width = dslot.shape[1]
         pool_k, pool_v = mgr.device.k[layer], mgr.device.v[layer]
-        k = pool_k.index_select(0, dslot.clamp(min=0).flatten()).view(B, width, *pool_k.shape[1:])
-        v = pool_v.index_select(0, dslot.clamp(min=0).flatten()).view(B, width, *pool_v.shape[1:])
+        k = gather_pages(pool_k, dslot.clamp(min=0))  # [B, KVH, width, P, D]
+        v = gather_pages(pool_v, dslot.clamp(min=0))
         if not self.all_full or exact is not None:
             other = att & (dslot < 0)  # warm pages decoded, off-device pages (and exact reads) from the host / disk
             if bool(other.any()):
                 rows, cc = other.nonzero(as_tuple=True)
                 recs = pick(self.recs)[rows, cc].cpu()
                 ex = False if exact is None else pick(exact)[rows, cc].cpu()
-                k_o, v_o = mgr.read_pages(layer, recs, pool_k.dtype, exact=ex)
-                k[rows, cc], v[rows, cc] = k_o.to(k.device), v_o.to(v.device)
+                k_o, v_o = mgr.read_pages(layer, recs, pool_k.dtype, exact=ex)  # [n, KVH, P, D]
+                k[rows, :, cc], v[rows, :, cc] = k_o.to(k.device), v_o.to(v.device)
         allowed = None
         if cols is None and heads is None and attended is self.valid:  # every page: the same keys in every layer
             if self._allowed_all is None:
@@ -237,6 +262,11 @@ class LayerStep:
                                                  pool_k.shape[2])
             allowed = self._allowed_all
         page_mask = att if heads is None else pick(heads) & att.unsqueeze(1)
+        if not self.measure:  # the paged cache's path: fused attention, no mass
+            if allowed is None:
+                allowed = allowed_keys(page_mask, pick(self.index), self.seq_len, self.past, q.shape[2], k.shape[3])
+            kvh, _, p, d = k.shape[1:]
+            return fused_attention(q, k.view(B, kvh, width * p, d), v.view(B, kvh, width * p, d), allowed)
         out, mass = attend_pages(q, k, v, page_mask, pick(self.index), self.seq_len, self.past, allowed=allowed)
         if cols is not None:
             mass = torch.zeros(B, M, device=mass.device).scatter_(1, cols, mass)
@@ -250,6 +280,9 @@ class LayerStep:
         position signal and the saliency with ``score_weights``."""
         rec, cache = self.rec, self.cache
         attended, mass = rec.attended, rec.mass
+        if not self.measure:
+            host = lambda x: None if x is None else x.detach().cpu()  # noqa: E731
+            return StepRecord(selected=host(rec.selected), attended=host(attended), relevance=None, mass=None)
         top = torch.where(attended, mass, torch.zeros_like(mass)).amax(-1, keepdim=True).clamp(min=1e-30)
         relevance = torch.where(attended, mass / top, rec.relevance)
         position = cache.scorer.position.detach()

@@ -446,12 +446,13 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
             warm_read &= ~exact
             streamed |= exact
         acc.streamed.view(-1)[rows[streamed[keep]]] = True
-        acc.mass.view(-1).index_add_(0, rows, rec.mass[keep].float())
-        importance = rec.mass if rec.importance is None else rec.importance
-        relevance = rec.mass if rec.relevance is None else rec.relevance
-        for column, values in ((acc.importance, importance), (acc.relevance, relevance)):
-            column.view(-1).scatter_reduce_(0, rows, values[keep].float(), "amax")  # values >= 0, columns start at 0
-        acc.scored.view(-1)[rows] = True
+        if rec.mass is not None:  # (None: not measured this step; importance and relevance stay as they were)
+            acc.mass.view(-1).index_add_(0, rows, rec.mass[keep].float())
+            importance = rec.mass if rec.importance is None else rec.importance
+            relevance = rec.mass if rec.relevance is None else rec.relevance
+            for column, values in ((acc.importance, importance), (acc.relevance, relevance)):
+                column.view(-1).scatter_reduce_(0, rows, values[keep].float(), "amax")  # values >= 0, start at 0
+            acc.scored.view(-1)[rows] = True
         pages = attended & ~full & ~warm_read & ~staged  # streamed this step: [L, B, M]
         per = pages.sum(-1)  # per layer and sequence
         m.warm_reads += int(warm_read.sum())

@@ -12,14 +12,17 @@ import torch
 class WindowMigration:
     def _migrate(self) -> None:
         """Window boundary: the design note's thresholds. Demote (device -> host) pages idle
-        for ``demote_idle_windows`` windows or scoring below ``demote_score``; promote
-        host pages accessed >= ``promote_accesses`` times this window with a score above
-        ``promote_score`` into free device slots (a prefetch)."""
+        for ``demote_idle_windows`` windows or scoring below ``demote_score`` — in the layers
+        whose device tier is under pressure (less free room than the next window's new pages:
+        a budget that holds the work demotes nothing); promote host pages accessed >=
+        ``promote_accesses`` times this window with a score above ``promote_score`` into free
+        device slots (a prefetch)."""
         c, t = self.config.migration, self.table
         t.idle_windows = torch.where(t.win_access > 0, torch.zeros_like(t.idle_windows), t.idle_windows + 1)
         if self.resident_cap is not None:
+            pressed = self.pressed_layers()  # [L]
             demote = self._candidates(None) & ((t.idle_windows >= c.demote_idle_windows) |
-                                               (t.importance < c.demote_score))
+                                               (t.importance < c.demote_score)) & pressed.unsqueeze(1)
             layers, recs = demote.nonzero(as_tuple=True)
             self.demote(layers, recs)
             self.metrics.demotions += len(recs)
@@ -33,6 +36,19 @@ class WindowMigration:
             self.metrics.promotions += len(recs)
         self._update_hot_keys()
         t.win_access.zero_()
+
+    def pressed_layers(self) -> torch.Tensor:
+        """[L] bool: the layers whose device tier has less free room than the next migration
+        window's new pages (one page per ``P`` tokens of ``window_steps`` decode steps, plus the
+        page being written, for every sequence); all False without a device budget."""
+        if self.resident_cap is None:
+            return torch.zeros(self.L, dtype=torch.bool)
+        headroom = self.num_sequences * (-(-self.config.migration.window_steps // self.P) + 1)
+        return (self.resident_cap - self.device.used()) < headroom
+
+    def pressed(self) -> bool:
+        """Whether any layer's device tier is pressed (:meth:`pressed_layers`)."""
+        return bool(self.pressed_layers().any())
 
     def _update_hot_keys(self) -> None:
         """At a window boundary. T1: up to ``hot_key_pages`` resident non-T0 pages per layer, the most frequently

@@ -106,12 +106,15 @@ class StepRecord:
     cache replaces it with the observed attention share where the page was attended before
     mixing ``importance``. ``exact``: warm pages read from their exact copy (``warm.exact_reads``),
     None when there were none. ``resident`` / ``staged``: residency when each layer attended
-    (None: as the table holds it at the step's end — nothing moved during the step)."""
+    (None: as the table holds it at the step's end — nothing moved during the step).
+    ``mass`` None: the step did not measure attention mass (the budgets held the work and the
+    device had room: the layers ran the paged cache's attention), so the pages' mass, relevance
+    and importance are left as they were."""
 
     selected: torch.Tensor  # bool
     attended: torch.Tensor  # bool
     relevance: torch.Tensor | None  # float (None: the mass stands for it)
-    mass: torch.Tensor  # float: attention mass per page (mean over query heads, sum over queries)
+    mass: torch.Tensor | None  # float: attention mass per page (mean over query heads, sum over queries)
     importance: torch.Tensor | None = None  # float: what the manager keeps between steps
     exact: torch.Tensor | None = None  # bool
     full: torch.Tensor | None = None  # bool

@@ -25,7 +25,7 @@ import torch
 from csrc_build import ROOT, build_plugins, load_kernels, needs_nvcc
 
 from tieredkv.errors import KernelLibraryError, TieredKVError
-from tieredkv.plugins import codec, cuda_ops
+from tieredkv.plugins import codec, cuda_lib, cuda_ops
 from tieredkv.plugins.inputs import importance_score_inputs, kv_append_inputs, tiered_attention_inputs
 
 MISSING = Path("/nonexistent/libtieredkv_kernels.so")  # reaching the library raises KernelLibraryError
@@ -266,7 +266,7 @@ def test_sizes_beyond_the_kernels_and_bad_arguments_are_value_errors():
 
 def test_the_library_is_the_argument_else_the_environment_else_the_default(monkeypatch, tmp_path):
     monkeypatch.delenv(cuda_ops.ENV_VAR, raising=False)
-    monkeypatch.setattr(cuda_ops, "DEFAULT_LIBRARY", tmp_path / "default.so")
+    monkeypatch.setattr(cuda_lib, "DEFAULT_LIBRARY", tmp_path / "default.so")  # where library_path reads it
     assert cuda_ops.library_path() == tmp_path / "default.so"
     with pytest.raises(KernelLibraryError, match=r"default\.so \(the default; set \$TIEREDKV_KERNELS"):
         cuda_ops.load_library()

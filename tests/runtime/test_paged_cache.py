@@ -196,3 +196,15 @@ def test_shared_prefix_pages_are_counted_and_copied_on_write():
     cache.drop_pages(shared)
     assert cache.pages_in_use() == 0
     cache.check()
+
+
+@pytest.mark.parametrize("b,m,kvh,p,d", [(1, 1, 1, 1, 1), (3, 5, 3, 16, 8), (2, 7, 2, 5, 3)])
+def test_gather_pages_is_the_pages_head_major(b, m, kvh, p, d):
+    """One copy per (page, kv head) row gives what indexing then moving the heads in front gives."""
+    from tieredkv.models.cache import gather_pages
+
+    gen = torch.Generator().manual_seed(b * 100 + m)
+    pool = torch.randn(m * b + 3, kvh, p, d, generator=gen)
+    pages = torch.randint(0, pool.shape[0], (b, m), generator=gen)
+    want = pool[pages].permute(0, 2, 1, 3, 4)  # [B, KVH, M, P, D]
+    assert torch.equal(gather_pages(pool, pages), want)

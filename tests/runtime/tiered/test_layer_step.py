@@ -35,7 +35,7 @@ def test_attend_pages_equals_the_reference(b, kvh, g, t, m, p, per_head, seed):
     shape = (b, kvh, m) if per_head else (b, m)
     mask = torch.rand(shape, generator=gen) < 0.7
     want, _, probs = attention_over_pages(q, k, v, mask, index, seq_len, past, with_lse=False)
-    got, mass = attend_pages(q, k, v, mask, index, seq_len, past)
+    got, mass = attend_pages(q, k.transpose(1, 2), v.transpose(1, 2), mask, index, seq_len, past)  # head-major
     assert torch.allclose(got, want, atol=1e-5)
     assert torch.allclose(mass, probs.mean(1).sum(1), atol=1e-5)
 
