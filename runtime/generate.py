@@ -97,11 +97,8 @@ def generate(model: Llama, cache: KVCache, prompts: Sequence[Sequence[int]], par
     completion with finish reason ``error`` (and the message in ``error``) and the others go
     on. ``progress``: a tqdm-like bar advanced per finished request; ``max_model_len``: the
     longest sequence, prompt + output (None: the model's context)."""
-    if errors not in ERRORS:
-        raise ConfigError(f"errors must be one of {list(ERRORS)}, got {errors!r}")
     engine = Engine(model, cache, tokenizer=tokenizer,
-                    scheduler=batch_scheduler(len(prompts), prefill_chunk, max_model_len),
-                    on_error="raise" if errors == "raise" else "fail")
+                    scheduler=batch_scheduler(len(prompts), prefill_chunk, max_model_len))
     return run_batch(engine, prompts, params, on_token=on_token, stats=stats, errors=errors, progress=progress)
 
 

@@ -129,9 +129,9 @@ class LayerStep:
         # nothing to do: no selection, every page full precision on the device, room for the next
         # window, no predictor or access log reading the masses -> the attention alone, without the
         # per-page mass (the pages' importance is measured again once the device is pressed)
-        self.measure = not (not self.selecting and not any(self.off) and self.all_full and self.exact_choice is None
-                            and not mgr.pressed() and mgr.prefetcher is None and cache.recorder is None
-                            and not self.moves_inside)
+        self.measure = (self.selecting or any(self.off) or not self.all_full or self.exact_choice is not None
+                        or mgr.pressed() or mgr.prefetcher is not None or cache.recorder is not None
+                        or self.moves_inside)
         self.rec = StepRecord.empty(L, plan)
         for name in ("selected", "attended", "relevance", "mass"):
             setattr(self.rec, name, getattr(self.rec, name).to(dev))
