@@ -206,6 +206,13 @@ class KVCache(abc.ABC):
         never needs more."""
         return _pages(tokens, self.page_size)
 
+    def expect(self, seq_id: int, tokens: int) -> None:
+        """``seq_id`` will reach up to ``tokens`` tokens (the serving engine says so when it admits
+        a request). A cache whose storage grows as it fills grows it now, for every live
+        sequence's expected pages at once (within its budget), so that no decode step pays for a
+        copy of its pools. A hint: it takes no pages from anyone (admission is
+        :meth:`allocate_slots`'s) and a sequence may still go past it."""
+
     def allocate_slots(self, seq_ids: Sequence[int], num_new: int) -> bool:
         """Make room for ``num_new`` more tokens of each of ``seq_ids`` in the next step: True when
         the step will find its slots, False (and nothing taken) when there is no room."""

@@ -100,6 +100,14 @@ class PagePool:
         self._free = list(range(new - 1, old - 1, -1)) + self._free
         return True
 
+    def reserve(self, pages: int) -> None:
+        """Storage for ``pages`` pages now (grown as :meth:`allocate` would grow it, within
+        ``max_pages``), so that a later allocation does not copy the pool."""
+        if self.max_pages is not None:
+            pages = min(pages, self.max_pages)
+        if pages > self.capacity:
+            self._grow(pages)
+
     def allocate(self, n: int = 1) -> list[int] | None:
         """``n`` free pages (one reference each), or None — and nothing taken — when the pool is
         at ``max_pages`` without that many free."""
@@ -133,6 +141,7 @@ class PagedKVCache(KVCache):
         self.tables: dict[int, list[int]] = {}
         self._len: dict[int, int] = {}
         self._indexed: set[int] = set()  # pages the prefix index holds
+        self._expected: dict[int, int] = {}  # pages each sequence expects to list (``expect``)
         self._next_id = 0
         self._step: _PagedStep | None = None
 
@@ -157,6 +166,14 @@ class PagedKVCache(KVCache):
     def free_sequence(self, seq_id: int) -> None:
         self.pool.unref(self.tables.pop(seq_id))
         del self._len[seq_id]
+        self._expected.pop(seq_id, None)
+
+    def expect(self, seq_id: int, tokens: int) -> None:
+        """Grow the pool now (doubling, within ``max_pages``) to the pages in use plus what every
+        live sequence still expects to list."""
+        self._expected[seq_id] = -(-tokens // self.page_size)
+        more = sum(max(0, n - len(self.tables[s])) for s, n in self._expected.items())
+        self.pool.reserve(self.pool.capacity - self.pool.num_free + more)
 
     def length(self, seq_id: int) -> int:
         return self._len[seq_id]

@@ -127,6 +127,7 @@ class Engine:
                     req.metrics.prefix_hit_pages[tier] = req.metrics.prefix_hit_pages.get(tier, 0) + 1
         req.seq_id = self.cache.add_sequence(shared=hits) if hits else self.cache.add_sequence()
         req.computed = len(hits) * self.page_size
+        self.cache.expect(req.seq_id, self.scheduler.final_tokens(req))  # storage grown now, not mid-decode
         if self.remote is not None:
             self._load_remote(req, len(hits))
         if req.metrics.first_scheduled is None:

@@ -125,7 +125,7 @@ class Scheduler:
         self._admissions = 0
 
     # ------------------------------------------------------------------ what a request needs
-    def _final(self, req: Request) -> int:
+    def final_tokens(self, req: Request) -> int:
         """The tokens a request can reach."""
         return min(self.max_len, len(req.prompt) + req.params.max_new_tokens)
 
@@ -135,7 +135,7 @@ class Scheduler:
         if a == "contiguous":
             return _pages(self.max_len, P)
         if a == "reserve":
-            return self.cache.reserve_pages(self._final(req))
+            return self.cache.reserve_pages(self.final_tokens(req))
         return 0
 
     def _need(self, req: Request, new: int) -> int:
@@ -157,7 +157,7 @@ class Scheduler:
         """Host pages reserved to completion: every request holding pages, and the prefix
         index's pages a request lists (those only the index holds can be dropped)."""
         reqs = self.running + list(self.paused) + ([extra] if extra is not None else [])
-        return sum(_pages(self._final(r), self.page_size) for r in reqs)
+        return sum(_pages(self.final_tokens(r), self.page_size) for r in reqs)
 
     def _host_fits(self, extra: Request) -> bool:
         if self.host_capacity is None:
@@ -183,16 +183,16 @@ class Scheduler:
                 f"so a prompt may have at most {self.max_len - 1} (one position must remain to generate)")
         P = self.page_size
         if self.capacity is not None:
-            final = self._final(req)
+            final = self.final_tokens(req)
             alone = max(self._reserved(req), self.cache.device_pages(final, final))
             if alone > self.capacity:
                 what = "its hot window" if self.demotes else f"its {final} tokens"
                 raise KVCacheFullError(
                     f"request {req.request_id}: needs {alone} device pages per layer ({what}); the KV budget holds "
                     f"{self.capacity}. Raise the budget, or lower max_new_tokens or the prompt")
-        if self.host_capacity is not None and _pages(self._final(req), P) > self.host_capacity:
+        if self.host_capacity is not None and _pages(self.final_tokens(req), P) > self.host_capacity:
             raise KVCacheFullError(
-                f"request {req.request_id}: its {self._final(req)} tokens need {_pages(self._final(req), P)} host "
+                f"request {req.request_id}: its {self.final_tokens(req)} tokens need {_pages(self.final_tokens(req), P)} host "
                 f"pages per layer; the host budget holds {self.host_capacity} and there is no disk tier")
 
     def add(self, req: Request) -> None:

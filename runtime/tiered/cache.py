@@ -162,6 +162,9 @@ class TieredKVCache(KVCache):
         """A full hot window: the rest of a sequence may live off the device."""
         return self.config.t0_pages
 
+    def expect(self, seq_id: int, tokens: int) -> None:
+        self.mgr.expect(seq_id, -(-tokens // self.page_size))
+
     def allocate_slots(self, seq_ids, num_new: int) -> bool:
         """Whether the device can hold the hot windows (T0) of every running sequence once the
         step's sequences have ``num_new`` more tokens: the pages ``begin_step`` makes resident,

@@ -126,6 +126,7 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         self.table = PageTable(num_layers, kv_heads, head_dim, self.P, summary_device=self.device.device)
         self._access: StepAccess | None = None
         self._restored = False  # a rollback happened (the move counters no longer balance the pools)
+        self._expected: dict[int, int] = {}  # pages each sequence expects to list (``expect``)
 
     def _pools(self):
         """(pool, slot column) of every tier that may hold pages."""
@@ -166,6 +167,24 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         self._unlist(self.records_of(seq))
         del self.table.seq_pages[seq], self.table.seq_len[seq]
         self.table.paused.discard(seq)
+        self._expected.pop(seq, None)
+
+    def expect(self, seq: int, pages: int) -> None:
+        """``seq`` will list up to ``pages`` pages: the page table and the device pool grow now
+        to the live pages plus what every live sequence still expects (the device pool within
+        its budget); where that passes the device budget, the host and warm pools too (pages
+        that leave the device go there). Nothing is taken."""
+        self._expected[seq] = pages
+        t = self.table
+        more = sum(max(0, n - len(t.seq_pages[s])) for s, n in self._expected.items())
+        if more > len(t.free):
+            t.grow(max(t.capacity, more - len(t.free)))
+        total = int(t.alive.sum()) + more
+        self.device.reserve(total)
+        if self.resident_cap is not None and total > self.resident_cap:
+            self.host.reserve(total)
+            if self.warm is not None:
+                self.warm.reserve(total)
 
     def _unlist(self, recs: torch.Tensor) -> None:
         """A sequence lets ``recs`` go; the records no other sequence lists release every slot."""

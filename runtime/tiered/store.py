@@ -93,6 +93,12 @@ class TierPool:
             setattr(self, name, torch.cat([getattr(self, name), self._new(extra)], dim=1))
         self.owner = torch.cat([self.owner, torch.full((self.num_layers, extra), -1, dtype=torch.long)], dim=1)
 
+    def reserve(self, pages: int) -> None:
+        """Slots for ``pages`` pages per layer now (at most the capacity limit), grown as
+        :meth:`alloc` would grow them, so that a later ``alloc`` does not copy the pool."""
+        if pages > self.capacity and (self.max_capacity is None or self.capacity < self.max_capacity):
+            self._grow(pages)
+
     def alloc(self, layers: torch.Tensor, records: torch.Tensor) -> torch.Tensor | None:
         """Slots for (layer, record) pairs, all or none: None when a layer lacks room."""
         if len(layers) == 0:

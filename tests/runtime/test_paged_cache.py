@@ -208,3 +208,30 @@ def test_gather_pages_is_the_pages_head_major(b, m, kvh, p, d):
     pages = torch.randint(0, pool.shape[0], (b, m), generator=gen)
     want = pool[pages].permute(0, 2, 1, 3, 4)  # [B, KVH, M, P, D]
     assert torch.equal(gather_pages(pool, pages), want)
+
+
+def test_expect_grows_the_pool_before_the_steps():
+    """``expect`` (the serving engine's hint at admission) grows the pool for every live
+    sequence's expected pages at once, within ``max_pages``; the steps then take pages without
+    growing it, and the outputs do not change."""
+    model = tiny_model(seed=8)
+    cache = PagedKVCache(model.kv_spec(), PagedCacheConfig(page_size=4, initial_pages=2))
+    contig = ContiguousKVCache(model.kv_spec())
+    a, b = cache.add_sequence(), contig.add_sequence()
+    cache.expect(a, 61)
+    assert cache.pool.capacity >= 16  # ceil(61 / 4), doubling from 2
+    cap = cache.pool.capacity
+    tokens = torch.randint(0, 512, (41,), generator=torch.Generator().manual_seed(3))
+    la, lb = prefill(model, cache, a, tokens, chunk_size=7), prefill(model, contig, b, tokens, chunk_size=7)
+    for step in range(20):
+        tok = torch.tensor([int(la[-1].argmax())])
+        la = decode_one_token(model, cache, [a], tok, torch.tensor([41 + step]))
+        lb = decode_one_token(model, contig, [b], tok, torch.tensor([41 + step]))
+        assert torch.equal(la, lb)
+    assert cache.pool.capacity == cap
+    check_invariants(cache)
+    capped = PagedKVCache(model.kv_spec(), PagedCacheConfig(page_size=4, initial_pages=2, max_pages=5))
+    capped.expect(capped.add_sequence(), 400)
+    assert capped.pool.capacity == 5
+    cache.free_sequence(a)
+    assert cache._expected == {}

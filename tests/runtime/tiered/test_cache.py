@@ -527,3 +527,29 @@ def test_a_float32_cache_at_the_float16_reference_holds_half_the_pages(ref_token
     m = f16.metrics
     assert 0 < m.resident_bytes_max <= resident_cap_bytes(f16) <= f16.budgets.given[0].bytes
     assert m.misses > 0  # the budget bit: pages were streamed back
+
+
+@pytest.mark.parametrize("budget", [None, 4096, 96])
+def test_storage_grows_at_admission_not_mid_decode(budget):
+    """The serving engine says how long each admitted request can grow (``expect``): the page
+    table and the pools grow then, so that no decode step copies them — with no budget, a
+    budget that holds the work and one that binds (then the host pool too)."""
+    cache = TieredKVCache(MODEL.kv_spec(), TieredKVConfig(device_budget=budget, **SMALL))
+    m, sizes = cache.mgr, []
+    begin = cache.begin_step
+
+    def spy(seq_ids, num_new):
+        step = begin(seq_ids, num_new)
+        sizes.append((num_new, m.device.capacity, m.host.capacity, m.table.capacity))
+        return step
+
+    cache.begin_step = spy
+    run(cache)
+    last_prefill = max(i for i, s in enumerate(sizes) if s[0] > 1)
+    assert {s[1:] for s in sizes[last_prefill:]} == {sizes[last_prefill][1:]}
+    pages = sum(-(-(len(p) + 24) // cache.page_size) for p in PROMPTS)
+    assert m.table.capacity >= pages
+    assert m.device.capacity >= min(pages, m.resident_cap or pages)
+    if budget == 96:
+        assert m.host.capacity >= pages
+    assert m._expected == {}  # freed with the sequences
