@@ -58,6 +58,25 @@ def attend_pages(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, 
     return out, mass
 
 
+#: the most attention logits (elements) :func:`attend_out` materializes at once
+ATTEND_BLOCK = 1 << 21
+
+
+def attend_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """:func:`_attend`'s output alone, over blocks of queries whose logits fit
+    :data:`ATTEND_BLOCK` (a prefill chunk's [G * T, S] logits would otherwise go through memory
+    several times: 2.7x slower at T = 512, S = 4,096). Each query's row is computed by the same
+    formula on the same keys: equal to :func:`_attend`'s to float32 rounding, and bit for bit
+    at SmolLM2's head grouping on this CPU's BLAS (tested; the BLAS may pick another kernel for
+    another row count)."""
+    b, h, t, _ = q.shape
+    block = max(1, ATTEND_BLOCK // max(1, b * h * k.shape[2]))
+    if t <= block:
+        return _attend(q, k, v, allowed)[0]
+    return torch.cat([_attend(q[:, :, i:i + block], k, v, allowed[..., i:i + block, :])[0]
+                      for i in range(0, t, block)], dim=2)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over gathered keys, in float32: q [B, H, T, D], k, v [B, KVH, S, D], allowed
@@ -261,7 +280,7 @@ class LayerStep:
             if allowed is None:
                 allowed = allowed_keys(page_mask, pick(self.index), self.seq_len, self.past, q.shape[2], k.shape[3])
             kvh, _, p, d = k.shape[1:]
-            return _attend(q, k.view(B, kvh, width * p, d), v.view(B, kvh, width * p, d), allowed)[0], None
+            return attend_out(q, k.view(B, kvh, width * p, d), v.view(B, kvh, width * p, d), allowed), None
         out, mass = attend_pages(q, k, v, page_mask, pick(self.index), self.seq_len, self.past, allowed=allowed)
         if cols is not None:
             mass = torch.zeros(B, M, device=mass.device).scatter_(1, cols, mass)

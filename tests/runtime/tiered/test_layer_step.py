@@ -105,3 +105,39 @@ def test_a_step_of_many_sequences_gives_each_what_it_gets_alone(budget):
         assert (together[row] - alone[0]).abs().max().item() <= 1e-5
     if budget is not None:
         assert m.streamed_pages > 0 and m.evicted_pages > 0  # the budgets bind
+
+
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 3), kvh=st.sampled_from([1, 3]), g=st.integers(1, 3), t=st.integers(1, 70),
+       extra=st.integers(0, 90), block=st.integers(1, 4000), per_head=st.booleans(), seed=st.integers(0, 99))
+def test_attend_out_in_query_blocks_equals_attend(b, kvh, g, t, extra, block, per_head, seed):
+    """A prefill chunk's attention is computed over blocks of queries (their logits fit
+    ATTEND_BLOCK): the output equals the one-piece formula's to float32 rounding, whatever the
+    block (the BLAS picks its kernel by the row count: one-row blocks and a single head group
+    may sum in another order), and bit for bit at SmolLM2's grouping (3 kv heads of 3 query
+    heads, head dim 64) below."""
+    gen = torch.Generator().manual_seed(seed)
+    s, d = t + extra, 8
+    q, k, v = (torch.randn(b, kvh * g, t, d, generator=gen), torch.randn(b, kvh, s, d, generator=gen),
+               torch.randn(b, kvh, s, d, generator=gen))
+    allowed = torch.rand(b, kvh if per_head else 1, 1, t, s, generator=gen) < 0.7
+    allowed[..., 0] = False  # and some queries that see no key at all
+    saved, layer_step.ATTEND_BLOCK = layer_step.ATTEND_BLOCK, block
+    try:
+        torch.testing.assert_close(layer_step.attend_out(q, k, v, allowed), layer_step._attend(q, k, v, allowed)[0],
+                                   rtol=1e-5, atol=1e-6)
+    finally:
+        layer_step.ATTEND_BLOCK = saved
+
+
+@pytest.mark.parametrize("t, s", [(512, 4096), (512, 700), (37, 2000)])
+def test_attend_out_equals_attend_bitwise_at_the_models_grouping(t, s):
+    gen = torch.Generator().manual_seed(t + s)
+    q, k, v = torch.randn(1, 9, t, 64, generator=gen), torch.randn(1, 3, s, 64, generator=gen), torch.randn(
+        1, 3, s, 64, generator=gen)
+    allowed = (torch.arange(s).view(1, s) <= s - t + torch.arange(t).view(t, 1)).view(1, 1, 1, t, s)
+    saved, layer_step.ATTEND_BLOCK = layer_step.ATTEND_BLOCK, 9 * s * 20  # blocks of 20 queries and a tail
+    try:
+        assert torch.equal(layer_step.attend_out(q, k, v, allowed), layer_step._attend(q, k, v, allowed)[0])
+    finally:
+        layer_step.ATTEND_BLOCK = saved
