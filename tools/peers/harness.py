@@ -45,6 +45,18 @@ EXIT_SKIP = 3
 HERE = Path(__file__).resolve().parent
 
 
+
+def interrupt_on_signals() -> None:
+    """SIGTERM and SIGHUP (and SIGINT, which a background job may have ignored) raise
+    KeyboardInterrupt, so that a script killed mid-run leaves its ``with server:`` blocks
+    through ``__exit__`` and stops the servers it started (a plain SIGTERM would end the
+    script and leave them running)."""
+    def stop_on(sig, frame) -> None:
+        raise KeyboardInterrupt(signal.Signals(sig).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop_on)
+
 class PeerUnavailable(TieredKVError):
     """The vLLM peer venv is missing or broken; the comparison is skipped, not failed."""
 
@@ -385,11 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ServeConfig(kv_bytes=args.kv_bytes, threads=args.threads)
         logs = root / "logs"
 
-        def stop_on(sig, frame) -> None:
-            raise KeyboardInterrupt(signal.Signals(sig).name)
-
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGINT may arrive ignored (a background job)
-            signal.signal(sig, stop_on)
+        interrupt_on_signals()
         try:
             with start_tieredkv(checkpoint, cfg, logs) as tkv, start_vllm(peer, checkpoint, cfg, logs) as vllm:
                 print(f"tieredkv {tkv.url}  vllm {vllm.url}  model {cfg.served_name}  (Ctrl-C or SIGTERM stops "

@@ -388,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = harness.write_checkpoint(root)
     tok = Tokenizer.from_hf_dir(checkpoint)
     args.out = args.out.resolve()  # aiperf runs in each run's folder: its paths must not be relative
+    harness.interrupt_on_signals()  # killed, it stops the server of the run in progress
     ctx = Context(peer, checkpoint, tok, tok.encode(pg_essays_text(), add_bos=False), args.out, args.timeout)
     args.out.mkdir(parents=True, exist_ok=True)
     serve = harness.ServeConfig(kv_bytes=args.kv_bytes, max_model_len=args.max_model_len,
