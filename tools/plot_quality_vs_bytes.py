@@ -31,7 +31,7 @@ TASKS = ("passkey", "multikey")
 
 # the suite's method names -> the plot's series (label, kind); the kind picks the style
 SERIES = {
-    "full": ("full cache (fp16)", "full"),
+    "full": ("full cache", "full"),
     "default-fp16": ("tieredkv default, fp16 pages", "tiered"),
     "quantized-int4": ("QuantizedCache int4 (HQQ)", "peer"),
     "quantized-int2": ("QuantizedCache int2 (HQQ)", "peer"),
@@ -117,12 +117,12 @@ def plot(data: dict[str, Any], png: Path, texts: Sequence[str] = HELD_OUT) -> Pa
         for ax, pts in ((ax_p, m["ppl"]), (ax_k, m["passkey"])):
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], **style)
-    ax_p.axhline(0, color="black", linestyle=":", linewidth=1, label="full cache (fp16, 100 %)")
+    ax_p.axhline(0, color="black", linestyle=":", linewidth=1, label="full cache (100 %)")
     ax_p.set_yscale("symlog", linthresh=1)
     ax_p.set_ylabel(f"Δ perplexity vs full, % (mean of {len(texts)} texts)")
     ax_p.set_title("perplexity (lower is better; symlog scale)", fontsize=9)
     if s["full"]["passkey"] is not None:
-        ax_k.axhline(s["full"]["passkey"], color="black", linestyle=":", linewidth=1, label="full cache (fp16, 100 %)")
+        ax_k.axhline(s["full"]["passkey"], color="black", linestyle=":", linewidth=1, label="full cache (100 %)")
     ax_k.set_ylim(-0.05, 1.05)
     ax_k.set_ylabel(f"passkey accuracy (mean of {len(texts)} texts)")
     ax_k.set_title("passkey retrieval (higher is better)", fontsize=9)
