@@ -96,7 +96,9 @@ class TierPool:
     def reserve(self, pages: int) -> None:
         """Slots for ``pages`` pages per layer now (at most the capacity limit), grown as
         :meth:`alloc` would grow them, so that a later ``alloc`` does not copy the pool."""
-        if pages > self.capacity and (self.max_capacity is None or self.capacity < self.max_capacity):
+        if self.max_capacity is not None:
+            pages = min(pages, self.max_capacity)
+        if pages > self.capacity:
             self._grow(pages)
 
     def alloc(self, layers: torch.Tensor, records: torch.Tensor) -> torch.Tensor | None:

@@ -16,11 +16,12 @@ pytest.importorskip("hqq")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "eval"))
 
 import quantized_cache as Q  # noqa: E402
-
-from tieredkv.errors import ConfigError  # noqa: E402
-from tieredkv.models import Llama, init_random_weights, preset  # noqa: E402
+from helpers import tiny_model  # noqa: E402
+from tieredkv.models import Llama, preset  # noqa: E402
 from tieredkv.runtime.eval.harness import CacheMethod  # noqa: E402
 from tieredkv.runtime.paged import PagedCacheConfig, PagedKVCache  # noqa: E402
+
+from tieredkv.errors import ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.eval
 
@@ -30,7 +31,7 @@ GROUP = 16  # the tiny model's head dim: one group per token and kv head with ax
 
 @pytest.fixture(scope="module")
 def model() -> Llama:
-    return init_random_weights(Llama(preset("tiny")), seed=0).eval()
+    return tiny_model(seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,6 @@ EXIT_SKIP = 3
 HERE = Path(__file__).resolve().parent
 
 
-
 def interrupt_on_signals() -> None:
     """SIGTERM and SIGHUP (and SIGINT, which a background job may have ignored) raise
     KeyboardInterrupt, so that a script killed mid-run leaves its ``with server:`` blocks
@@ -56,6 +55,7 @@ def interrupt_on_signals() -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, stop_on)
+
 
 class PeerUnavailable(TieredKVError):
     """The vLLM peer venv is missing or broken; the comparison is skipped, not failed."""
