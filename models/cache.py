@@ -206,6 +206,13 @@ class KVCache(abc.ABC):
         never needs more."""
         return _pages(tokens, self.page_size)
 
+    def holds_working_sets(self, token_counts: Sequence[int]) -> bool:
+        """Whether the device holds, at once, every page that sequences of these lengths read in
+        a step. A cache that keeps every page of its sequences on the device: always (their
+        growth is what :meth:`device_pages` counts); the tiered cache: the pages each attends,
+        at full precision or warm — past that, a step reads pages from the host."""
+        return True
+
     def expect(self, seq_id: int, tokens: int) -> None:
         """``seq_id`` will reach up to ``tokens`` tokens (the serving engine says so when it admits
         a request). A cache whose storage grows as it fills grows it now, for every live

@@ -163,7 +163,8 @@ class EngineArgs:
         """From the flags :func:`add_engine_arguments` (with the CLI's model and KV flags) added."""
         kv = {setting: getattr(args, flag) for flag, setting in KV_FLAGS.items() if getattr(args, flag, None) is not None}
         sched = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                 "prefill_chunk": args.prefill_chunk, "max_model_len": args.max_model_len}
+                 "prefill_chunk": args.prefill_chunk, "max_model_len": args.max_model_len,
+                 "oversubscribe": True if getattr(args, "oversubscribe", False) else None}
         remote = None
         if getattr(args, "remote_kv_secret", None) is not None and not getattr(args, "remote_kv", None):
             raise ConfigError("--remote-kv-secret signs the remote KV tier's entries; give --remote-kv URL with it")
@@ -279,6 +280,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-chunk", type=int, default=None, help="most prompt tokens per forward call (default 512)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence served, prompt + output (default: the model's context)")
+    g.add_argument("--oversubscribe", action="store_true",
+                   help="tiered cache: admit requests on their hot windows alone, past what the device holds of "
+                        "the pages they attend (more at once, each step reading the rest from the host; default: "
+                        "such a request waits)")
     g.add_argument("--cache-tokens", type=int, default=None,
                    help="capacity of the plain paged cache, in tokens (default: unbounded; the tiered cache is "
                         "bounded by --kv-budget instead)")

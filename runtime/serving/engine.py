@@ -68,7 +68,8 @@ class Engine:
             self.remote = RemoteTier(remote, cache, model)
             self.prefix.on_publish = self.remote.publish
         self.scheduler = Scheduler(cache, self.config, context=self.context, prefix=self.prefix,
-                                   open_sequence=self._open, close_sequence=self._close)
+                                   open_sequence=self._open, close_sequence=self._close,
+                                   rematch=self._rematch if self.prefix is not None else None)
         self.page_size = self.scheduler.page_size
         self.requests: dict[str, Request] = {}
         self.metrics = ServingMetrics(window=metrics_window)
@@ -130,8 +131,26 @@ class Engine:
         self.cache.expect(req.seq_id, self.scheduler.final_tokens(req))  # storage grown now, not mid-decode
         if self.remote is not None:
             self._load_remote(req, len(hits))
+        req.hit_tokens = req.computed
         if req.metrics.first_scheduled is None:
             req.metrics.first_scheduled = self.clock()
+
+    def _rematch(self, req: Request) -> None:
+        """A request that has computed nothing of its own takes the longer run of prefix pages
+        the index may hold since it was admitted (another request's prefill published them): its
+        sequence starts over from those."""
+        have = req.hit_tokens // self.page_size
+        hits = self.prefix.match_more(req.chain, req.tokens, have)
+        if len(hits) <= have:
+            return
+        self.cache.free_sequence(req.seq_id)
+        req.seq_id = self.cache.add_sequence(shared=hits)
+        req.computed = req.hit_tokens = len(hits) * self.page_size
+        self.cache.expect(req.seq_id, self.scheduler.final_tokens(req))
+        if not req.out.token_ids and not req.metrics.preemptions:  # its first admission: the reuse it got
+            req.metrics.cached_tokens = req.computed
+            for tier in self.cache.page_tiers(hits[have:]):
+                req.metrics.prefix_hit_pages[tier] = req.metrics.prefix_hit_pages.get(tier, 0) + 1
 
     def _load_remote(self, req: Request, local: int) -> None:
         """The pages after the local prefix hits that the remote tier holds, written into the

@@ -153,6 +153,24 @@ class PrefixIndex:
                 self._lru.move_to_end(rec)
         return records
 
+    def match_more(self, chain: HashChain, prompt: Sequence[int], have: int) -> list[int]:
+        """:meth:`match` again for a prompt that found ``have`` pages before (pages published
+        since — another request's prefill — may extend its run); counts only the extra hits
+        (the lookup and its queried pages were counted the first time)."""
+        usable = (len(prompt) - 1) // self.page_size
+        records = []
+        for key in chain.extend(prompt)[:usable]:
+            rec = self._record.get(key)
+            if rec is None:
+                break
+            records.append(rec)
+        if len(records) > have:
+            for tier in self.cache.page_tiers(records[have:]):
+                self.stats.hit_pages[tier] += 1
+            for rec in records:
+                self._lru.move_to_end(rec)
+        return records
+
     def publish(self, chain: HashChain, seq_id: int, tokens: Sequence[int]) -> int:
         """Index the full pages of sequence ``seq_id`` (whose tokens are ``tokens``) not indexed
         yet; a key already indexed under another record keeps that record. Returns the pages

@@ -127,6 +127,7 @@ class Request:
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.metrics = RequestMetrics(arrival=arrival, prompt_tokens=len(prompt))
         self.chain = None  # the prefix keys of its pages (PrefixIndex.chain), when reuse is on
+        self.hit_tokens = 0  # tokens its sequence started with (prefix hits): it has computed none past them
         self.admitted_at = -1  # the admission counter (victim order: the newest is preempted first)
         self.on_finish: Callable[[Request], None] | None = None
         self.no_publish = False  # cancelled with keep_prefix=False: its pages are not indexed at close

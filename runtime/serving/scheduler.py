@@ -6,7 +6,10 @@ Each step (``Scheduler.schedule``):
      prompt and output could never fit is refused at submission (:meth:`Scheduler.check`).
   2. **The step's work** under one token budget (``max_num_batched_tokens``): every running
      request that is decoding feeds its one token; the rest of the budget goes to prefill
-     chunks (at most ``prefill_chunk`` tokens each), oldest request first.
+     chunks (at most ``prefill_chunk`` tokens each), oldest request first. With prefix reuse,
+     a request that has computed nothing of its own first takes the prefix pages published
+     since its admission, then waits while an older request is still prefilling the page it
+     would compute next (two questions on one document, admitted together, prefill it once).
   3. **Room for the step**: when the KV the step needs exceeds the budget (optimistic
      admission lets requests grow into it), or no running request has room for its next
      prefill page, running requests are preempted — the most recently admitted first (the
@@ -30,6 +33,15 @@ Admission policies (``admission``):
   * ``optimistic``: admit when what the request needs now fits; preempt when growth does
     not. On the tiered cache, the host tier is always reserved to completion (when it is
     bounded and there is no disk tier), the index's unlisted prefix pages giving way first.
+
+The tiered cache's working sets: under ``reserve`` and ``optimistic`` a request also waits
+while the device could not hold, next to the running requests', every page it attends in a
+step at its final length (``KVCache.holds_working_sets``: hot windows at full precision, the
+other attended pages at full precision or warm) — unless nothing is running, so a request
+too long for the device alone still runs, tiered. Past that point every step would read the
+missing pages from the host (exact mode) for every request at once: measured under load, that
+multiplied the inter-token latency by ten while the queue it replaced was short.
+``oversubscribe=True`` admits on hot windows alone (more requests at once, each slower).
 """
 
 from __future__ import annotations
@@ -51,7 +63,8 @@ class SchedulerConfig:
     step, decode and prefill together (None: no limit — every admitted prompt is prefilled in
     the step it is admitted, a batch job's throughput setting); ``prefill_chunk``: the most
     tokens of one prompt per forward call; ``admission`` / ``preemption``: see the module
-    docstring (``auto``: demote on the tiered cache, recompute on the others); ``max_model_len``: the longest sequence served (default: the model's context)."""
+    docstring (``auto``: demote on the tiered cache, recompute on the others); ``max_model_len``: the longest sequence served (default: the model's context); ``oversubscribe``: admit
+    past the tiered cache's device working sets (module docstring)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = 2048
@@ -59,6 +72,7 @@ class SchedulerConfig:
     admission: str = "optimistic"
     preemption: str = "auto"
     max_model_len: int | None = None
+    oversubscribe: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("max_num_seqs", 1), ("prefill_chunk", 1)):
@@ -74,6 +88,8 @@ class SchedulerConfig:
             raise ConfigError(f"admission must be one of {list(ADMISSION)}, got {short(self.admission)}")
         if self.preemption not in PREEMPTION:
             raise ConfigError(f"preemption must be one of {list(PREEMPTION)}, got {short(self.preemption)}")
+        if not isinstance(self.oversubscribe, bool):
+            raise ConfigError(f"oversubscribe must be true or false, got {short(self.oversubscribe)}")
 
 
 @dataclass
@@ -100,11 +116,14 @@ class Scheduler:
     it asks of the cache."""
 
     def __init__(self, cache, config: SchedulerConfig, *, context: int, prefix=None,
-                 open_sequence: Callable[[Request], None], close_sequence: Callable[[Request], None]) -> None:
+                 open_sequence: Callable[[Request], None], close_sequence: Callable[[Request], None],
+                 rematch: Callable[[Request], None] | None = None) -> None:
         """``open_sequence(req)`` gives an admitted request its sequence in the cache (with its
-        prefix-index hits); ``close_sequence(req)`` frees it (a recompute preemption)."""
+        prefix-index hits); ``close_sequence(req)`` frees it (a recompute preemption);
+        ``rematch(req)`` gives a request that has computed nothing yet the prefix pages
+        published since (prefix reuse)."""
         self.cache, self.config, self.prefix = cache, config, prefix
-        self._open, self._close = open_sequence, close_sequence
+        self._open, self._close, self._rematch = open_sequence, close_sequence, rematch
         self.max_len = min(context, config.max_model_len or context)
         self.demotes = cache.demotes
         self.page_size = cache.page_size  # 1: a cache without pages (the contiguous oracle) is counted in tokens
@@ -220,7 +239,15 @@ class Scheduler:
         its prompt is in (tiered)."""
         if self.capacity is None:
             return True
-        return self.device_need({}) + max(self._soon(req), self._reserved(req)) <= self.capacity
+        return (self.device_need({}) + max(self._soon(req), self._reserved(req)) <= self.capacity
+                and self._working_sets_fit(req))
+
+    def _working_sets_fit(self, req: Request) -> bool:
+        """Whether the device holds the working sets of the running requests and ``req`` at their
+        final lengths (module docstring); always when nothing runs or ``oversubscribe`` is set."""
+        if self.config.oversubscribe or self.config.admission == "contiguous" or not self.running:
+            return True
+        return self.cache.holds_working_sets([self.final_tokens(r) for r in self.running + [req]])
 
     def _soon(self, req: Request) -> int:
         """Device pages a request needs to make progress once admitted: its hot window once its
@@ -230,7 +257,7 @@ class Scheduler:
     def _admit(self) -> None:
         while self.paused and len(self.running) < self.config.max_num_seqs:
             req = self.paused[0]
-            if not self._fits({}, req, 0):
+            if not self._fits({}, req, 0) or not self._working_sets_fit(req):
                 break
             self.paused.popleft()
             self.cache.resume(req.seq_id)
@@ -287,7 +314,7 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.admitted_at):
             if left <= 0:
                 break
-            if req in plan or self._decoding(req):
+            if req in plan or self._decoding(req) or self._waits_for_prefix(req):
                 continue
             n = int(min(req.to_feed, self.config.prefill_chunk, left))
             while n > 0 and not self._fits({**plan, req: n}):  # shrink the chunk to what fits
@@ -297,6 +324,27 @@ class Scheduler:
             plan[req] = n
             left -= n
         return plan
+
+    def _waits_for_prefix(self, req: Request) -> bool:
+        """A request that has computed nothing of its own takes the prefix pages published since
+        its admission, then waits while an older running request is still prefilling the page it
+        would compute next (hash-chain keys name a page and everything before it)."""
+        if self._rematch is None or req.chain is None or req.computed != req.hit_tokens:
+            return False
+        self._rematch(req)
+        P = self.page_size
+        page = req.computed // P
+        keys = req.chain.extend(req.tokens)
+        if page >= min(len(keys), (len(req.tokens) - 1) // P):
+            return False
+        for other in self.running:
+            if (other is req or other.admitted_at > req.admitted_at or other.chain is None
+                    or self._decoding(other) or other.computed >= (page + 1) * P):
+                continue
+            theirs = other.chain.extend(other.tokens)
+            if page < len(theirs) and theirs[page] == keys[page]:
+                return True
+        return False
 
     @staticmethod
     def _decoding(req: Request) -> bool:

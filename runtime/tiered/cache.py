@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -161,6 +162,23 @@ class TieredKVCache(KVCache):
     def reserve_pages(self, tokens: int) -> int:
         """A full hot window: the rest of a sequence may live off the device."""
         return self.config.t0_pages
+
+    def holds_working_sets(self, token_counts: Sequence[int]) -> bool:
+        """Whether the device holds every page these sequences attend in a step: their hot windows
+        at full precision and their other attended pages (all of them, or the attention budget's
+        share) at full precision or in the warm pool. Past that, every step reads the rest from
+        the host (exact mode) — the scheduler then keeps a request waiting instead."""
+        cap = self.mgr.resident_cap
+        if cap is None:
+            return True
+        P, budget = self.page_size, self.budgets.attention_pages
+        hot = attended = 0
+        for tokens in token_counts:
+            h, n = self._hot(tokens), -(-tokens // P)
+            hot += h
+            attended += n if budget is None else min(n, max(budget, h))
+        warm = self.budgets.warm_pages if self.mgr.warm is not None else 0
+        return hot <= cap and attended - hot <= cap - hot + warm
 
     def expect(self, seq_id: int, tokens: int) -> None:
         self.mgr.expect(seq_id, -(-tokens // self.page_size))

@@ -113,11 +113,13 @@ def test_chunked_prefill_respects_the_step_token_budget():
 def test_preemption_keeps_outputs_identical(make, preemption):
     """Optimistic admission over-commits a small budget; preempted requests (the newest
     first) resume or recompute and every output equals the request run alone. (A tiered
-    request's device share is its hot window: short prompts that grow past it preempt.)"""
+    request's device share is its hot window when it oversubscribes: short prompts that grow
+    past it preempt.)"""
     ps = prompts(6, seed=3, lo=3, hi=12)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     engine = Engine(MODEL, make(), scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64,
-                                                             prefill_chunk=32, preemption=preemption),
+                                                             prefill_chunk=32, preemption=preemption,
+                                                             oversubscribe=True),
                     on_error="raise")
     assert serve(engine, ps, params) == alone(ps, params)
     assert engine.metrics.preemptions.get(preemption, 0) > 0, "the budget never forced a preemption"
@@ -229,9 +231,52 @@ def test_a_failing_request_ends_alone():
     assert engine.summary()["finish_reasons"] == {"error": 1, "length": 1}
 
 
+@pytest.mark.parametrize("oversubscribe", [False, True])
+def test_tiered_admission_waits_for_the_device_working_set(oversubscribe):
+    """Exact mode, every page attended: a request waits while the device could not hold every
+    page of the running requests and its own (the step would read the rest from the host for
+    all of them) — unless nothing runs, or ``oversubscribe`` admits on hot windows alone.
+    Outputs equal each request run alone either way."""
+    ps = prompts(4, seed=12, lo=40, hi=60)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    cache = tiered(160, warm_codec="off")  # ~2.5 of the 52-72-token requests' pages; hot windows fit all 4
+    engine = Engine(MODEL, cache, scheduler=SchedulerConfig(max_num_seqs=4, oversubscribe=oversubscribe),
+                    on_error="raise")
+    most = 0
+    reqs = [engine.add_request(p, params) for p in ps]
+    while engine.has_unfinished():
+        engine.step()
+        check(engine)
+        running = engine.scheduler.running
+        most = max(most, len(running))
+        finals = [engine.scheduler.final_tokens(r) for r in running]
+        if not oversubscribe and len(running) > 1:
+            assert cache.holds_working_sets(finals), "admitted past the device's working set"
+    assert [r.out.token_ids for r in reqs] == alone(ps, params)
+    if oversubscribe:
+        assert most == 4 and engine.cache.counters()["misses"] > 0, "hot windows alone admit all four"
+    else:
+        assert 1 < most < 4 and engine.cache.counters()["misses"] == 0, "no page was read from the host"
+
+
+def test_holds_working_sets_counts_warm_pages_and_the_attention_budget():
+    """The device holds hot windows at full precision, the other attended pages at full precision
+    or warm; an attention budget caps what a sequence attends; no device budget holds anything."""
+    long = [40 * PAGE] * 3
+    assert tiered(None).holds_working_sets(long * 10)
+    off, warm = tiered(64 * PAGE, warm_codec="off"), tiered(64 * PAGE, warm_codec="int4", warm_fraction=0.5)
+    assert warm.budgets.warm_pages > 0
+    n = next(k for k in range(1, 40) if not off.holds_working_sets([40 * PAGE] * k))
+    assert warm.holds_working_sets([40 * PAGE] * n), "warm pages hold more of the working sets"
+    capped = TieredKVCache(SPEC, TieredKVConfig(device_budget=f"{64 * PAGE * TOKEN_BYTES}B", attention_budget=6 * PAGE,
+                                                **SMALL))
+    assert capped.holds_working_sets([40 * PAGE] * n), "six attended pages each fit"
+
+
 def test_metrics_summary_and_text():
     ps = prompts(5, seed=8)
-    engine = Engine(MODEL, tiered(12 * PAGE), scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32))
+    engine = Engine(MODEL, tiered(12 * PAGE), scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32,
+                                                                        oversubscribe=True))  # pages on the host
     serve(engine, ps, GREEDY)
     s = engine.summary()
     assert s["requests"] == 5 and s["output_tokens"] == 60 and s["prompt_tokens"] == sum(map(len, ps))

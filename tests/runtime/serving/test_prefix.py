@@ -186,3 +186,26 @@ def test_prefix_reuse_needs_a_cache_that_shares_pages():
 
     with pytest.raises(ConfigError, match="share pages"):
         Engine(MODEL, ContiguousKVCache(SPEC), prefix=PrefixConfig())
+
+
+@pytest.mark.parametrize("oversubscribe", [False, True])
+def test_questions_admitted_together_prefill_their_document_once(oversubscribe):
+    """Three questions on one document, submitted at once and admitted in the same step: the
+    later ones wait while the first prefills the document's pages, then start from them (reuse
+    at scheduling, not only at admission) — the document is prefilled once, outputs unchanged."""
+    rng = random.Random(21)
+    doc = [rng.randrange(3, 500) for _ in range(PAGE * 12 + 5)]
+    qs = [doc + [rng.randrange(3, 500) for _ in range(rng.randrange(3, 9))] for _ in range(3)]
+    want = run(engine(cache(), prefix=None), qs)
+    e = engine(cache(), oversubscribe=oversubscribe)
+    reqs = [e.add_request(q, GREEDY) for q in qs]
+    e.step()
+    assert len(e.scheduler.running) == 3, "all three admitted in one step"
+    while e.has_unfinished():
+        e.step()
+        invariants(e)
+    assert [r.out.token_ids for r in reqs] == want
+    full = len(doc) // PAGE * PAGE
+    assert reqs[0].metrics.cached_tokens == 0
+    assert [r.metrics.cached_tokens for r in reqs[1:]] == [full, full], "the later questions reuse the document"
+    assert e.prefix.stats.hit_pages["device"] == 2 * (len(doc) // PAGE)
