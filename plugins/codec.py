@@ -98,10 +98,11 @@ def _to_groups(x: torch.Tensor, axis: str, group: int) -> torch.Tensor:
     return x.reshape(kvh, p * d // g, g)
 
 
-def _from_groups(xg: torch.Tensor, axis: str, shape: tuple[int, int, int]) -> torch.Tensor:
+def _from_groups(xg: torch.Tensor, axis: str, shape: tuple[int, int, int], contiguous: bool = True) -> torch.Tensor:
     kvh, p, d = shape
     if axis == "channel":
-        return xg.reshape(kvh, d, p).transpose(1, 2).contiguous()
+        x = xg.reshape(kvh, d, p).transpose(1, 2)
+        return x.contiguous() if contiguous else x
     return xg.reshape(kvh, p, d)
 
 
@@ -190,13 +191,14 @@ def encode(x: torch.Tensor, spec: CodecSpec, *, role: str = "k") -> dict[str, to
 
 
 def decode(enc: dict[str, torch.Tensor], spec: CodecSpec, shape: tuple[int, int, int], *,
-           role: str = "k") -> torch.Tensor:
-    """The encoded tensors -> the page [KVH, P, D] in float32."""
+           role: str = "k", contiguous: bool = True) -> torch.Tensor:
+    """The encoded tensors -> the page [KVH, P, D] in float32 (``contiguous=False``: per-channel
+    groups may come back as a transposed view, saving a copy for a caller that copies anyway)."""
     axis = spec.key_axis if role == "k" else spec.value_axis
     xg = dequantize(enc, spec)
     if spec.residual_bits:
         xg = xg + dequantize_residual(enc)
-    x = _from_groups(xg, axis, shape)
+    x = _from_groups(xg, axis, shape, contiguous or bool(spec.keyframe))
     if spec.keyframe:
         t = torch.arange(shape[1], device=x.device)
         key = (t % spec.keyframe) == 0
@@ -366,8 +368,10 @@ def encode_pages(k: torch.Tensor, v: torch.Tensor, spec: CodecSpec) -> torch.Ten
     return out
 
 
-def decode_pages(data: torch.Tensor, spec: CodecSpec, shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 [N, page_bytes] (``encode_pages``) -> K, V [N, KVH, P, D] float32."""
+def decode_pages(data: torch.Tensor, spec: CodecSpec, shape: tuple[int, int, int], *,
+                 contiguous: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 [N, page_bytes] (``encode_pages``) -> K, V [N, KVH, P, D] float32 (``contiguous=False``:
+    either may be a strided view, as :func:`decode` says)."""
     kvh, p, d = shape
     n = data.shape[0]
     if n == 0:
@@ -398,5 +402,5 @@ def decode_pages(data: torch.Tensor, spec: CodecSpec, shape: tuple[int, int, int
             else:
                 dtype = torch.float16 if name == "zero" else SCALE_DTYPE
                 enc[name] = raw.contiguous().view(dtype).reshape(n * kvh, groups, 1)
-        out.append(decode(enc, spec, (n * kvh, p, d), role=role).reshape(n, kvh, p, d))
+        out.append(decode(enc, spec, (n * kvh, p, d), role=role, contiguous=contiguous).reshape(n, kvh, p, d))
     return out[0], out[1]

@@ -10,7 +10,11 @@ Arms (every one holds at most ``budget_tokens`` tokens' worth of K/V bytes on th
   * ``paged-reserve`` — the paged cache, reserve-to-completion admission (no preemption;
     TensorRT-LLM's guaranteed-no-evict);
   * ``tiered-exact`` — the tiered cache in exact mode (every page attended; pages off the
-    device are fetched), optimistic admission, preemption by demotion, prefix reuse;
+    device are fetched), optimistic admission (a request waits while the device could not
+    hold the running requests' pages: the scheduler's working sets), preemption by demotion,
+    prefix reuse;
+  * ``tiered-exact-oversubscribe`` — the same admitting on hot windows alone (more requests at
+    once, each step reading the pages the device does not hold from the host);
   * ``tiered-masked`` — the same in masked mode (attention limited to what the device
     holds: quality is measured, not assumed).
 The host tier of the tiered arms is not bounded (host memory is the cheap tier).
@@ -52,7 +56,8 @@ from tieredkv.runtime.serving.engine import Engine
 from tieredkv.runtime.serving.prefix import PrefixConfig
 from tieredkv.runtime.serving.scheduler import SchedulerConfig
 
-ARMS = ("contiguous", "paged-recompute", "paged-reserve", "tiered-exact", "tiered-masked")
+ARMS = ("contiguous", "paged-recompute", "paged-reserve", "tiered-exact", "tiered-exact-oversubscribe",
+        "tiered-masked")
 WORKLOADS = ("chat", "docs", "unique")
 
 
@@ -97,7 +102,8 @@ def make_engine(arm: str, model, tokenizer, cfg: BenchConfig, *, disk_dir: str |
                             sink_tokens=cfg.sink_tokens, recent_tokens=cfg.recent_tokens,
                             disk_path=None if disk_dir is None else str(Path(disk_dir) / f"{arm}-t4.bin"))
         cache = TieredKVCache(spec, kv)
-        scheduler = SchedulerConfig(admission="optimistic", preemption="demote", **sched)
+        scheduler = SchedulerConfig(admission="optimistic", preemption="demote",
+                                    oversubscribe=arm.endswith("-oversubscribe"), **sched)
         if cfg.prefix != "off":
             prefix = PrefixConfig(tiers=cfg.prefix)
     return Engine(model, cache, tokenizer=tokenizer, scheduler=scheduler, prefix=prefix, on_error="fail")

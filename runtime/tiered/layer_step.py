@@ -267,8 +267,13 @@ class LayerStep:
                 rows, cc = other.nonzero(as_tuple=True)
                 recs = pick(self.recs)[rows, cc].cpu()
                 ex = False if exact is None else pick(exact)[rows, cc].cpu()
-                k_o, v_o = mgr.read_pages(layer, recs, pool_k.dtype, exact=ex)  # [n, KVH, P, D]
-                k[rows, :, cc], v[rows, :, cc] = k_o.to(k.device), v_o.to(v.device)
+                kp, vp = k.transpose(1, 2), v.transpose(1, 2)  # [B, width, KVH, P, D] views
+
+                def put(idx: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> None:  # each tier's pages once
+                    at = (rows[idx], cc[idx])
+                    kp[at], vp[at] = ks, vs
+
+                mgr.read_pages_into(layer, recs, pool_k.dtype, put, exact=ex)
         allowed = None
         if cols is None and heads is None and attended is self.valid:  # every page: the same keys in every layer
             if self._allowed_all is None:

@@ -70,9 +70,28 @@ class PageMoves:
                 dslot = dslot.to(dev)
                 return (self.device.k[layers].index_select(0, dslot).to(dtype),
                         self.device.v[layers].index_select(0, dslot).to(dtype))
-            layers = torch.full_like(recs, layers)
         k = torch.empty((len(recs), self.kv_heads, self.P, self.head_dim), dtype=dtype, device=dev)
         v = torch.empty_like(k)
+
+        def put(idx: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> None:
+            k.index_copy_(0, idx, ks)
+            v.index_copy_(0, idx, vs)
+
+        self.read_pages_into(layers, recs, dtype, put, exact=exact)
+        return k, v
+
+    def read_pages_into(self, layers: int | torch.Tensor, recs: torch.Tensor, dtype: torch.dtype, put, *,
+                        exact: bool | torch.Tensor = False) -> None:
+        """:meth:`read_pages` handing each tier's pages to ``put(idx, k, v)`` (``idx``: their
+        positions in ``recs``, on the device; ``k``, ``v`` [n, KVH, P, D] in ``dtype``) instead of
+        copying them into one tensor first: a caller that gathers pages into its own layout
+        writes each page once."""
+        t = self.table
+        if self._pending:
+            self._settle()
+        dev = self.device.device
+        if isinstance(layers, int):
+            layers = torch.full_like(recs, layers)
         dslot, wslot, hslot = t.device_slot[layers, recs], t.warm_slot[layers, recs], t.host_slot[layers, recs]
         full = dslot >= 0
         warm = ~full & (wslot >= 0) & ~torch.as_tensor(exact)
@@ -92,10 +111,7 @@ class PageMoves:
             ks, vs = read(layers[idx], slots[idx])
             if copy:  # off the device: one batched copy per tier
                 ks, vs = self.transfers.to_device(ks, vs, dtype=dtype, pages=len(idx))
-            idx = idx.to(dev)
-            k.index_copy_(0, idx, ks.to(dtype))
-            v.index_copy_(0, idx, vs.to(dtype))
-        return k, v
+            put(idx.to(dev), ks.to(dtype), vs.to(dtype))
 
     def _count_h2d(self, pages: int, from_disk: int) -> None:
         """Account ``pages`` pages copied host -> device, ``from_disk`` of them read from the disk tier."""

@@ -324,11 +324,11 @@ class WarmPool(TierPool):
             self.decoded = tuple(torch.cat([t, extra], dim=1) for t in self.decoded)
 
     def read(self, layers: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decoded K, V [N, KVH, P, D] float32."""
+        """Decoded K, V [N, KVH, P, D] float32 (keys may be a strided view: the reader copies them)."""
         from tieredkv.plugins.codec import decode_pages
 
         if self.decoded is None:
-            return decode_pages(self.data[layers, slots], self.codec, self.shape)
+            return decode_pages(self.data[layers, slots], self.codec, self.shape, contiguous=False)
         return self.decoded[0][layers, slots], self.decoded[1][layers, slots]
 
     def write(self, layers: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

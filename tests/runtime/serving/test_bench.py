@@ -44,7 +44,7 @@ def test_every_arm_serves_the_chat_workload_with_the_same_tokens():
         assert res.crashed is None and res.errors == 0 and res.sessions_done == 4 and len(res.outputs) == 8
         results[arm] = res
     ref = results["paged-recompute"].outputs
-    for arm in ("contiguous", "paged-reserve", "tiered-exact"):
+    for arm in ("contiguous", "paged-reserve", "tiered-exact", "tiered-exact-oversubscribe"):
         assert agreement(results[arm].outputs, ref) == {"compared": 8, "identical": 1.0, "token_agreement": 1.0}
     # the contiguous arm reserves the served length: 512 / 256 = 2 requests at once
     assert results["contiguous"].summary["kv"]["running_max"] == 2

@@ -533,8 +533,9 @@ def test_a_float32_cache_at_the_float16_reference_holds_half_the_pages(ref_token
 def test_storage_grows_at_admission_not_mid_decode(budget):
     """The serving engine says how long each admitted request can grow (``expect``): the page
     table and the pools grow then, so that no decode step copies them — with no budget, a
-    budget that holds the work and one that binds (then the host pool too)."""
-    cache = TieredKVCache(MODEL.kv_spec(), TieredKVConfig(device_budget=budget, **SMALL))
+    budget that holds the work and one that binds (then the host pool too: the budget shared by
+    the prompts, so that their working sets fit it together and they run at once)."""
+    cache = TieredKVCache(MODEL.kv_spec(), TieredKVConfig(device_budget=budget, **SMALL), num_sequences=len(PROMPTS))
     m, sizes = cache.mgr, []
     begin = cache.begin_step
 
