@@ -133,7 +133,7 @@ def main() -> int:
         Path(args.result).write_text(json.dumps(res))
         return 0
 
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the vLLM row runs its script from another directory
     out.mkdir(parents=True, exist_ok=True)
     all_prompts = prompts(max(args.batches), args.prompt_len)
     results: list[dict] = []

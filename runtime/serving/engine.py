@@ -143,13 +143,14 @@ class Engine:
         hits = self.prefix.match_more(req.chain, req.tokens, have)
         if len(hits) <= have:
             return
-        self.cache.free_sequence(req.seq_id)
-        req.seq_id = self.cache.add_sequence(shared=hits)
+        tiers = self.cache.page_tiers(hits[have:])  # where they were found (the new sequence pins some)
+        old, req.seq_id = req.seq_id, self.cache.add_sequence(shared=hits)  # the old one lives until this works
+        self.cache.free_sequence(old)
         req.computed = req.hit_tokens = len(hits) * self.page_size
         self.cache.expect(req.seq_id, self.scheduler.final_tokens(req))
-        if not req.out.token_ids and not req.metrics.preemptions:  # its first admission: the reuse it got
+        if not req.out.token_ids and not req.metrics.preemptions.get("recompute"):  # its first admission
             req.metrics.cached_tokens = req.computed
-            for tier in self.cache.page_tiers(hits[have:]):
+            for tier in tiers:
                 req.metrics.prefix_hit_pages[tier] = req.metrics.prefix_hit_pages.get(tier, 0) + 1
 
     def _load_remote(self, req: Request, local: int) -> None:

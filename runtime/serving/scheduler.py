@@ -61,7 +61,8 @@ PREEMPTION = ("auto", "demote", "recompute")
 class SchedulerConfig:
     """``max_num_seqs``: requests holding KV at once; ``max_num_batched_tokens``: tokens fed per
     step, decode and prefill together (None: no limit — every admitted prompt is prefilled in
-    the step it is admitted, a batch job's throughput setting); ``prefill_chunk``: the most
+    the step it is admitted, a batch job's throughput setting, unless it waits for an older
+    request's prefill of the same prefix); ``prefill_chunk``: the most
     tokens of one prompt per forward call; ``admission`` / ``preemption``: see the module
     docstring (``auto``: demote on the tiered cache, recompute on the others); ``max_model_len``: the longest sequence served (default: the model's context); ``oversubscribe``: admit
     past the tiered cache's device working sets (module docstring)."""

@@ -167,9 +167,10 @@ class TieredKVCache(KVCache):
         """Whether the device holds every page these sequences attend in a step: their hot windows
         at full precision and their other attended pages (all of them, or the attention budget's
         share) at full precision or in the warm pool. Past that, every step reads the rest from
-        the host (exact mode) — the scheduler then keeps a request waiting instead."""
+        the host (exact mode) — the scheduler then keeps a request waiting instead. Masked mode
+        reads nothing from the host in a step (it attends what the device holds): always True."""
         cap = self.mgr.resident_cap
-        if cap is None:
+        if cap is None or self.config.selection.mode == "masked":
             return True
         P, budget = self.page_size, self.budgets.attention_pages
         hot = attended = 0

@@ -271,6 +271,8 @@ def test_holds_working_sets_counts_warm_pages_and_the_attention_budget():
     capped = TieredKVCache(SPEC, TieredKVConfig(device_budget=f"{64 * PAGE * TOKEN_BYTES}B", attention_budget=6 * PAGE,
                                                 **SMALL))
     assert capped.holds_working_sets([40 * PAGE] * n), "six attended pages each fit"
+    masked = tiered(64 * PAGE, warm_codec="off", mode="masked")
+    assert masked.holds_working_sets([40 * PAGE] * n), "masked mode reads nothing from the host in a step"
 
 
 def test_metrics_summary_and_text():
