@@ -175,7 +175,7 @@ def test_serve_bench(tiny_gguf, tmp_path, capsys):
     assert main(argv) == 0
     rows = last_json(capsys)["concurrency"]
     assert [r["arm"] for r in rows] == ["contiguous", "paged-recompute", "paged-reserve", "tiered-exact",
-                                        "tiered-masked"]
+                                        "tiered-exact-oversubscribe", "tiered-masked"]
     assert all(r["requests"] == 4 and r["errors"] == 0 and r["crashed"] is None for r in rows)
     assert rows[3]["quality"]["identical"] == 1.0
     assert "| tiered-exact |" in (tmp_path / "table.md").read_text()
