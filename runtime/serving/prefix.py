@@ -136,27 +136,20 @@ class PrefixIndex:
     def match(self, chain: HashChain, prompt: Sequence[int]) -> list[int]:
         """The records of the longest indexed run of ``prompt``'s first full pages (at most
         ``(len(prompt) - 1) // P``), most recently used from now on; counted by tier."""
-        usable = (len(prompt) - 1) // self.page_size
-        keys = chain.extend(prompt)[:usable]
-        records = []
-        for key in keys:
-            rec = self._record.get(key)
-            if rec is None:
-                break
-            records.append(rec)
+        records, usable = self._indexed_run(chain, prompt)
         self.stats.lookups += 1
         self.stats.queried_pages += usable
-        if records:
-            for tier in self.cache.page_tiers(records):
-                self.stats.hit_pages[tier] += 1
-            for rec in records:
-                self._lru.move_to_end(rec)
-        return records
+        return self._hit(records, 0)
 
     def match_more(self, chain: HashChain, prompt: Sequence[int], have: int) -> list[int]:
         """:meth:`match` again for a prompt that found ``have`` pages before (pages published
         since — another request's prefill — may extend its run); counts only the extra hits
         (the lookup and its queried pages were counted the first time)."""
+        return self._hit(self._indexed_run(chain, prompt)[0], have)
+
+    def _indexed_run(self, chain: HashChain, prompt: Sequence[int]) -> tuple[list[int], int]:
+        """(the records of the longest indexed run of ``prompt``'s first full pages, how many
+        pages may be shared: ``(len(prompt) - 1) // P``, the last token is always computed)."""
         usable = (len(prompt) - 1) // self.page_size
         records = []
         for key in chain.extend(prompt)[:usable]:
@@ -164,8 +157,13 @@ class PrefixIndex:
             if rec is None:
                 break
             records.append(rec)
-        if len(records) > have:
-            for tier in self.cache.page_tiers(records[have:]):
+        return records, usable
+
+    def _hit(self, records: list[int], counted: int) -> list[int]:
+        """``records`` found: the ones past the first ``counted`` are counted by tier, and all of
+        them are most recently used from now on (when any is new)."""
+        if len(records) > counted:
+            for tier in self.cache.page_tiers(records[counted:]):
                 self.stats.hit_pages[tier] += 1
             for rec in records:
                 self._lru.move_to_end(rec)
