@@ -5,7 +5,8 @@ tokens go, every sequence's pages as [B, M] tensors) and opens a
 :class:`~tieredkv.runtime.tiered.layer_step.LayerStep`. Per layer (``attend``), for every
 sequence at once:
   1. ``store``: the new tokens' K/V into their device pages (KVAppend), with the key
-     summaries and saliency the scorer reads;
+     summaries and saliency the scorer reads (a decode step that scores and measures nothing
+     folds them in at its end, for every layer at once);
   2. where the step selects (an attention budget smaller than a sequence's pages, or masked
      mode with pages off the device), ImportanceScore ranks every listed page; SelectPages
      picks T0 plus the top pages within the attention budget; a selected page that is not
@@ -343,8 +344,12 @@ class TieredKVCache(KVCache):
         """The open step's new K/V of one layer, k, v [B, KVH, T, D], into the cache."""
         kt = k.transpose(1, 2).reshape(-1, *k.shape[1:2], k.shape[-1])  # [B*T, KVH, D] in (b, t) order
         vt = v.transpose(1, 2).reshape(-1, *v.shape[1:2], v.shape[-1])
-        self.mgr.write_tokens(layer, self.plan, kt, vt, self.scorer.token_saliency(layer, kt),
-                              slots=self.layers.write_slots[layer])
+        slots = self.layers.write_slots[layer]
+        if self.layers.new_keys is not None:  # nothing reads the summaries before the step ends
+            self.mgr.append_tokens(layer, self.plan, kt, vt, slots)
+            self.layers.new_keys[layer] = kt
+            return
+        self.mgr.write_tokens(layer, self.plan, kt, vt, self.scorer.token_saliency(layer, kt), slots=slots)
 
     def attend(self, step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.store(layer, k, v)
@@ -374,6 +379,12 @@ class TieredKVCache(KVCache):
     def end_step(self, step: Step) -> None:
         """Close the step: what every layer did to the manager (once), the access log, then the
         manager's statistics, migration and admissions."""
+        keys = self.layers.new_keys
+        if keys:  # the deferred key summaries of the layers stored, at once
+            layers = sorted(keys)
+            k = torch.stack([keys[i] for i in layers])  # [L', B, KVH, D]
+            which = None if len(layers) == self.spec.num_layers else torch.tensor(layers)
+            self.mgr.fold_summaries(self.plan, k, self.scorer.token_saliency_all(k, which), which)
         if self.layers.ran:  # (a step that only stored pages, e.g. loaded from the remote tier, records nothing)
             self.mgr.record_step(self.plan, self.layers.record())
         decode = step.num_new == 1

@@ -154,6 +154,14 @@ class LayerStep:
         self.rec = StepRecord.empty(L, plan)
         for name in ("selected", "attended", "relevance", "mass"):
             setattr(self.rec, name, getattr(self.rec, name).to(dev))
+        #: a decode step that measures nothing stores its keys' summaries at its end, for every layer
+        #: at once (``TieredKVCache.end_step``): layer -> the new keys [B, KVH, D]
+        self.new_keys: dict[int, torch.Tensor] | None = {} if self.decode and not self.measure else None
+        self.slots = None  # nothing to measure: every layer's device slots of the listed pages, [L, B, M]
+        if not self.measure:
+            self.slots = t.device_slot.index_select(1, plan.recs.flatten()).view(L, B, M).clamp(min=0).to(dev)
+            self.rec.selected[:] = self.valid
+            self.rec.attended[:] = self.valid
         if self.exact_choice is not None:
             self.rec.exact = torch.zeros(L, B, M, dtype=torch.bool, device=dev)
         if self.moves_inside:
@@ -171,6 +179,10 @@ class LayerStep:
         mgr, m = self.mgr, self.mgr.metrics
         self.ran = True
         t_score = time.perf_counter()
+        if not self.measure:  # every listed page, full precision on the device: the paged cache's path
+            out = self.attend_all(layer, q)
+            m.attention_seconds += time.perf_counter() - t_score
+            return out
         heads = relevance = None
         if self.scores(layer):
             relevance, ranking = self.rank(layer, q[:, :, -1])
@@ -202,6 +214,17 @@ class LayerStep:
         m.select_seconds += t_attend - t_select
         m.attention_seconds += time.perf_counter() - t_attend
         return out
+
+    def attend_all(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """A step with nothing to decide or measure (module docstring): the listed pages gathered
+        from the device pool by slot and attended, nothing else (the record holds every valid page
+        as selected and attended from the start)."""
+        pool_k, pool_v = self.mgr.device.k[layer], self.mgr.device.v[layer]
+        k, v = gather_pages(pool_k, self.slots[layer]), gather_pages(pool_v, self.slots[layer])
+        b, kvh, m, p, d = k.shape
+        if self._allowed_all is None:
+            self._allowed_all = allowed_keys(self.valid, self.index, self.seq_len, self.past, q.shape[2], p)
+        return attend_out(q, k.view(b, kvh, m * p, d), v.view(b, kvh, m * p, d), self._allowed_all)
 
     def score_inputs(self, layer: int, q: torch.Tensor) -> tuple:
         """ImportanceScore's inputs for the listed pages of ``layer`` under queries q [B, H, D]."""
@@ -257,7 +280,6 @@ class LayerStep:
         pick = (lambda x: x) if cols is None else (lambda x: x.gather(-1, cols if x.dim() == 2 else
                                                                       cols.unsqueeze(1).expand(-1, x.shape[1], -1)))
         dslot, att = pick(dslot), pick(attended)
-        width = dslot.shape[1]
         pool_k, pool_v = mgr.device.k[layer], mgr.device.v[layer]
         k = gather_pages(pool_k, dslot.clamp(min=0))  # [B, KVH, width, P, D]
         v = gather_pages(pool_v, dslot.clamp(min=0))
@@ -281,11 +303,6 @@ class LayerStep:
                                                  pool_k.shape[2])
             allowed = self._allowed_all
         page_mask = att if heads is None else pick(heads) & att.unsqueeze(1)
-        if not self.measure:  # nothing to measure: the attention alone, no per-page mass
-            if allowed is None:
-                allowed = allowed_keys(page_mask, pick(self.index), self.seq_len, self.past, q.shape[2], k.shape[3])
-            kvh, _, p, d = k.shape[1:]
-            return attend_out(q, k.view(B, kvh, width * p, d), v.view(B, kvh, width * p, d), allowed), None
         out, mass = attend_pages(q, k, v, page_mask, pick(self.index), self.seq_len, self.past, allowed=allowed)
         if cols is not None:
             mass = torch.zeros(B, M, device=mass.device).scatter_(1, cols, mass)

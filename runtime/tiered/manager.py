@@ -29,7 +29,9 @@ Tiers (docs/tiers.md):
 What the cache asks of it, per step (one decode step, in order):
   ``begin_step``     new records and device slots for the step's tokens -> a :class:`StepPlan`
                      ([B, M] tensors of every sequence's pages, built once);
-  ``write_tokens``   per layer: the new K/V into their device pages, the key summaries;
+  ``write_tokens``   per layer: the new K/V into their device pages, the key summaries
+                     (a decode step that scores nothing: ``append_tokens`` per layer, then
+                     ``fold_summaries`` once for every layer);
   ``summaries``      per layer: what the scorer reads of the listed pages (key bounds, saliency);
   ``attended``       per layer: the selected pages the step can attend (mode);
   ``read_pages``     the one reader of pages, from whichever tier holds them;
@@ -321,11 +323,13 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
             # every page written this step is resident and stays so until the step ends (a partial
             # page may have left the T0 window as the sequence grew, or left with a paused sequence)
             written = torch.tensor(new + partial, dtype=torch.long)
-            want = torch.zeros(self.L, t.capacity, dtype=torch.bool)
-            want[:, written] = True
-            missing = want & (t.device_slot < 0)
-            room = self._make_room(missing.sum(1), protect=want)
-            if bool((room < missing.sum(1)).any()):
+            missing = (t.device_slot[:, written] < 0).sum(1)  # per layer (new pages are never resident)
+            want = None
+            if bool(missing.any()):
+                want = torch.zeros(self.L, t.capacity, dtype=torch.bool)
+                want[:, written] = True
+                room = self._make_room(missing, protect=want)
+            if want is not None and bool((room < missing).any()):
                 raise KVCacheFullError(
                     f"the device budget ({self.resident_cap} resident pages per layer) cannot take the "
                     f"{len(new)} new page(s) of this step: every resident page is in T0 (sinks + recent window) of "
@@ -375,13 +379,31 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         where the device pool lives (default: read from the page table)."""
         t = self.table
         recs = plan.write_recs
-        pools = (self.device.k[layer], self.device.v[layer])
-        dev = self.device.device
         if slots is None:
-            slots = t.device_slot[layer, recs].to(dev)
-        kv_append(*pools, k, v, slots, plan.write_offsets.to(dev), out=pools)
+            slots = t.device_slot[layer, recs].to(self.device.device)
+        self.append_tokens(layer, plan, k, v, slots)
         self._update_summaries(layer, recs.to(t.kmin.device), k.float().to(t.kmin.device),
                                saliency.to(t.sal_sum.device, torch.float32), one_per_page=plan.decode)
+
+    def append_tokens(self, layer: int, plan: StepPlan, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """:meth:`write_tokens` without the summaries: the step folds them in once for every layer
+        (:meth:`fold_summaries`) — a decode step that scores nothing before it ends."""
+        pools = (self.device.k[layer], self.device.v[layer])
+        kv_append(*pools, k, v, slots, plan.write_offsets.to(self.device.device), out=pools)  # in place
+
+    def fold_summaries(self, plan: StepPlan, k: torch.Tensor, saliency: torch.Tensor,
+                       layers: torch.Tensor | None = None) -> None:
+        """A decode step's new keys k [L', B, KVH, D] of ``layers`` (default: every layer), with
+        their ``saliency`` [L', B], into their pages' key min / max and summed saliency in one pass
+        (each sequence writes one token into a page of its own): what :meth:`write_tokens` does
+        layer by layer, with the same result."""
+        t = self.table
+        recs = plan.write_recs.to(t.kmin.device)
+        at = (slice(None), recs) if layers is None else (layers.to(t.kmin.device).unsqueeze(1), recs.unsqueeze(0))
+        k = k.float().to(t.kmin.device)
+        t.kmin[at] = torch.minimum(t.kmin[at], k)
+        t.kmax[at] = torch.maximum(t.kmax[at], k)
+        t.sal_sum[at] += saliency.to(t.sal_sum.device, torch.float32)
 
     def _update_summaries(self, layer: int, recs: torch.Tensor, k: torch.Tensor, saliency: torch.Tensor, *,
                           one_per_page: bool) -> None:
@@ -443,6 +465,12 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         each: flags or-ed, masses summed, the highest importance and relevance kept."""
         acc, t, m, L = self._access, self.table, self.metrics, self.L
         recs, valid = plan.recs, plan.valid.unsqueeze(0)
+        if rec.mass is None:  # not measured (every page attended full precision on the device, nothing streamed):
+            # what the step needed; importance and relevance stay as they were
+            if plan.decode:
+                need = rec.selected & valid & ~plan.t0
+                acc.needed[torch.arange(L).view(L, 1, 1).expand_as(need)[need], recs.expand_as(need)[need]] = True
+            return
         flat = recs.flatten()
         at = lambda column: column.index_select(1, flat).view(L, *recs.shape)  # noqa: E731 ([L, R] -> [L, B, M])
         dslot = at(t.device_slot)
@@ -465,13 +493,12 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
             warm_read &= ~exact
             streamed |= exact
         acc.streamed.view(-1)[rows[streamed[keep]]] = True
-        if rec.mass is not None:  # (None: not measured this step; importance and relevance stay as they were)
-            acc.mass.view(-1).index_add_(0, rows, rec.mass[keep].float())
-            importance = rec.mass if rec.importance is None else rec.importance
-            relevance = rec.mass if rec.relevance is None else rec.relevance
-            for column, values in ((acc.importance, importance), (acc.relevance, relevance)):
-                column.view(-1).scatter_reduce_(0, rows, values[keep].float(), "amax")  # values >= 0, start at 0
-            acc.scored.view(-1)[rows] = True
+        acc.mass.view(-1).index_add_(0, rows, rec.mass[keep].float())
+        importance = rec.mass if rec.importance is None else rec.importance
+        relevance = rec.mass if rec.relevance is None else rec.relevance
+        for column, values in ((acc.importance, importance), (acc.relevance, relevance)):
+            column.view(-1).scatter_reduce_(0, rows, values[keep].float(), "amax")  # values >= 0, start at 0
+        acc.scored.view(-1)[rows] = True
         pages = attended & ~full & ~warm_read & ~staged  # streamed this step: [L, B, M]
         per = pages.sum(-1)  # per layer and sequence
         m.warm_reads += int(warm_read.sum())
@@ -488,26 +515,35 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         boundaries, demand admission of the pages it needed but did not find resident."""
         t_start = time.perf_counter()
         t, m, access = self.table, self.metrics, self._access
+        prefetch = self.prefetcher is not None or bool(t.staged.any())  # (only a prefetch stages or marks pages)
+        measured = bool(access.scored.any())  # (a step that measured nothing leaves the importance as it was)
+        missed = int(access.missing.sum())  # (decode steps only; a subset of the pages needed)
         if decode:
             self.step_no += 1
             m.decode_steps += 1
             t.last_access[access.needed] = self.step_no
             t.frequency += access.needed.long()
             t.win_access += access.needed.long()
-            m.hits += int((access.needed & ~access.missing).sum())
-            m.misses += int(access.missing.sum())
-            used = access.needed & (t.prefetched | t.staged)  # there because the prefetcher brought them in
-            m.prefetch_hits += int(used.sum())
-            t.prefetched &= ~used
+            m.hits += int(access.needed.sum()) - missed
+            m.misses += missed
+            if prefetch:
+                used = access.needed & (t.prefetched | t.staged)  # there because the prefetcher brought them in
+                m.prefetch_hits += int(used.sum())
+                t.prefetched &= ~used
             t.hist = ((t.hist << 1) & HIST_MASK) | access.needed.long()
         else:
             m.prefill_steps += 1
-        m.prefetch_wasted += int((t.staged & ~access.needed).sum())  # staged for this step, not used by it
-        t.acc_mass += access.mass
-        t.last_relevance = torch.where(access.scored, access.relevance, t.last_relevance)
-        t.importance = torch.where(access.scored, access.importance, t.importance)
+        if prefetch:
+            m.prefetch_wasted += int((t.staged & ~access.needed).sum())  # staged for this step, not used by it
+        if measured:
+            t.acc_mass += access.mass
+            t.last_relevance = torch.where(access.scored, access.relevance, t.last_relevance)
+            t.importance = torch.where(access.scored, access.importance, t.importance)
         if decode and self.step_no % self.config.migration.window_steps == 0:
             self._migrate()
+        if not (missed or prefetch):  # nothing missing, nothing staged: nothing to admit
+            self._finish_step(decode, t_start)
+            return
         want = (access.missing | (access.needed & t.staged)) & (t.device_slot < 0) & t.alive.unsqueeze(0)
         t.staged.zero_()  # the staging area is the step's: what it held is adopted below or gone
         if want.any() and self.resident_cap is not None:
@@ -517,11 +553,14 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         elif want.any():
             layers, recs = want.nonzero(as_tuple=True)
             self.admit(layers, recs, already_streamed=access.streamed[layers, recs])
+        self._finish_step(decode, t_start)
+
+    def _finish_step(self, decode: bool, t_start: float) -> None:
         if decode and self.prefetcher is not None:
             self.prefetcher.between_steps(self)
         self._record_residency()
         self._access = None
-        m.manager_seconds += time.perf_counter() - t_start
+        self.metrics.manager_seconds += time.perf_counter() - t_start
 
     # ------------------------------------------------------------------ checkpoint
     def checkpoint(self) -> ManagerState:

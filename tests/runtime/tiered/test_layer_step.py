@@ -141,3 +141,45 @@ def test_attend_out_equals_attend_bitwise_at_the_models_grouping(t, s):
         assert torch.equal(layer_step.attend_out(q, k, v, allowed), layer_step._attend(q, k, v, allowed)[0])
     finally:
         layer_step.ATTEND_BLOCK = saved
+
+
+def test_a_step_that_measures_nothing_folds_the_summaries_of_every_layer_at_its_end(monkeypatch):
+    """A decode step whose budgets hold the work writes its keys' summaries (key min / max and
+    saliency) once, for every layer at the step's end: the page table ends where the
+    layer-by-layer writes leave it (min / max exact, saliency to float32 rounding), and the
+    scorer's batched saliency equals its per-layer one for any subset of layers."""
+    def run(per_layer: bool):
+        cache = TieredKVCache(MODEL.kv_spec(), TieredKVConfig(device_budget="10MiB", **SMALL), full_tokens=80)
+        if per_layer:
+            init = layer_step.LayerStep.__init__
+
+            def no_deferral(self, *a, **kw):
+                init(self, *a, **kw)
+                self.new_keys = None
+
+            monkeypatch.setattr(layer_step.LayerStep, "__init__", no_deferral)
+        deferred = []
+        fold = cache.mgr.fold_summaries
+        cache.mgr.fold_summaries = lambda *a, **kw: (deferred.append(1), fold(*a, **kw))
+        logits = _decode(cache)
+        monkeypatch.undo()
+        return cache.mgr.table, logits, len(deferred)
+
+    (batched, out, folds), (layered, ref, none) = run(False), run(True)
+    assert folds == 6 and none == 0
+    assert torch.equal(out, ref)
+    assert torch.equal(batched.kmin, layered.kmin) and torch.equal(batched.kmax, layered.kmax)
+    torch.testing.assert_close(batched.sal_sum, layered.sal_sum, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(layered.sal_sum, torch.zeros_like(layered.sal_sum))
+
+    scorer = TieredKVCache(MODEL.kv_spec(), TieredKVConfig(**SMALL)).scorer
+    with torch.no_grad():  # a trained-looking scorer: the output layer is not zero
+        scorer.w2.normal_(generator=torch.Generator().manual_seed(3))
+        scorer.b2.normal_(generator=torch.Generator().manual_seed(4))
+    L, gen = scorer.num_layers, torch.Generator().manual_seed(5)
+    k = torch.randn(L, 7, MODEL.config.num_kv_heads, scorer.head_dim, generator=gen)
+    want = torch.stack([scorer.token_saliency(i, k[i]) for i in range(L)])
+    torch.testing.assert_close(scorer.token_saliency_all(k).detach(), want.detach(), rtol=1e-6, atol=1e-6)
+    some = torch.tensor([L - 1, 0])
+    torch.testing.assert_close(scorer.token_saliency_all(k[some], some).detach(), want[some].detach(),
+                               rtol=1e-6, atol=1e-6)
