@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from tieredkv.models.cache import gather_pages
+from tieredkv.models.cache import attention, gather_pages
 from tieredkv.plugins.importance_score import (RELEVANCE_ONLY, distance_bucket, importance_score, mix,
                                                relevance_and_ranking)
 from tieredkv.plugins.select_pages import ATTEND_ALL, select_pages
@@ -224,6 +224,8 @@ class LayerStep:
         b, kvh, m, p, d = k.shape
         if self._allowed_all is None:
             self._allowed_all = allowed_keys(self.valid, self.index, self.seq_len, self.past, q.shape[2], p)
+        if q.shape[2] == 1 and k.dtype == q.dtype:  # a decode step: the paged cache's attention
+            return attention(q, k.view(b, kvh, m * p, d), v.view(b, kvh, m * p, d), self._allowed_all.view(b, 1, 1, m * p))
         return attend_out(q, k.view(b, kvh, m * p, d), v.view(b, kvh, m * p, d), self._allowed_all)
 
     def score_inputs(self, layer: int, q: torch.Tensor) -> tuple:

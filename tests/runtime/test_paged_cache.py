@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from helpers import tiny_model
 from tieredkv.errors import ConfigError, KVCacheFullError
-from tieredkv.models.cache import ContiguousKVCache, KVSpec
+from tieredkv.models.cache import ContiguousKVCache, KVSpec, attention
 from tieredkv.models.llama import decode_one_token, prefill
 from tieredkv.runtime.paged import PagedCacheConfig, PagedKVCache
 
@@ -235,3 +235,26 @@ def test_expect_grows_the_pool_before_the_steps():
     assert capped.pool.capacity == 5
     cache.free_sequence(a)
     assert cache._expected == {}
+
+
+@settings(max_examples=30, deadline=None)
+@given(b=st.integers(1, 5), kvh=st.sampled_from([1, 3]), g=st.sampled_from([1, 3]), t=st.sampled_from([1, 1, 3]),
+       s=st.integers(1, 70), seed=st.integers(0, 10**6))
+def test_attention_equals_sdpa_whichever_kernel_runs(b, kvh, g, t, s, seed):
+    """``attention`` runs a decode step of several sequences as batched matmuls and everything
+    else through ``scaled_dot_product_attention``: the output is that kernel's to float32
+    rounding on awkward shapes, and zeros for a query that sees no key."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, kvh * g, t, 8, generator=gen), torch.randn(b, kvh, s, 8, generator=gen),
+               torch.randn(b, kvh, s, 8, generator=gen))
+    mask = torch.rand(b, 1, t, s, generator=gen) < 0.7
+    mask[..., 0] = True  # every query sees a key ...
+    blind = b > 1 and t == 1
+    if blind:
+        mask[-1] = False  # ... but one, in the batched-matmul case
+    got = attention(q, k, v, mask)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=g > 1)
+    if blind:
+        assert torch.equal(got[-1], torch.zeros_like(got[-1]))
+        got, want = got[:-1], want[:-1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
