@@ -217,16 +217,23 @@ class LayerStep:
 
     def attend_all(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """A step with nothing to decide or measure (module docstring): the listed pages gathered
-        from the device pool by slot and attended, nothing else (the record holds every valid page
-        as selected and attended from the start)."""
+        from the device pool by slot and attended, nothing else — the record holds every valid
+        page as selected and attended from the start. A decode step attends with the paged
+        cache's kernel (``models.cache.attention``: for several sequences the measuring path's
+        float32 formula, bit for bit; for one, torch's fused kernel, equal to float32 rounding); a
+        prefill chunk, and pages stored in another dtype than the model computes in
+        (``kv_dtype``), with the measuring path's formula, so that whether a prefill measures
+        page masses never changes its output (the prefetch tests hold logits bit-identical)."""
         pool_k, pool_v = self.mgr.device.k[layer], self.mgr.device.v[layer]
         k, v = gather_pages(pool_k, self.slots[layer]), gather_pages(pool_v, self.slots[layer])
         b, kvh, m, p, d = k.shape
+        t = q.shape[2]
         if self._allowed_all is None:
-            self._allowed_all = allowed_keys(self.valid, self.index, self.seq_len, self.past, q.shape[2], p)
-        if q.shape[2] == 1 and k.dtype == q.dtype:  # a decode step: the paged cache's attention
-            return attention(q, k.view(b, kvh, m * p, d), v.view(b, kvh, m * p, d), self._allowed_all.view(b, 1, 1, m * p))
-        return attend_out(q, k.view(b, kvh, m * p, d), v.view(b, kvh, m * p, d), self._allowed_all)
+            self._allowed_all = allowed_keys(self.valid, self.index, self.seq_len, self.past, t, p)
+        k, v = k.view(b, kvh, m * p, d), v.view(b, kvh, m * p, d)
+        if t == 1 and k.dtype == q.dtype:
+            return attention(q, k, v, self._allowed_all.view(b, 1, t, m * p))
+        return attend_out(q, k, v, self._allowed_all)
 
     def score_inputs(self, layer: int, q: torch.Tensor) -> tuple:
         """ImportanceScore's inputs for the listed pages of ``layer`` under queries q [B, H, D]."""
