@@ -399,11 +399,16 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         layer by layer, with the same result."""
         t = self.table
         recs = plan.write_recs.to(t.kmin.device)
-        at = (slice(None), recs) if layers is None else (layers.to(t.kmin.device).unsqueeze(1), recs.unsqueeze(0))
-        k = k.float().to(t.kmin.device)
+        k, saliency = k.float().to(t.kmin.device), saliency.to(t.sal_sum.device, torch.float32)
+        if layers is None:  # every layer: along the record axis
+            t.kmin.index_copy_(1, recs, torch.minimum(t.kmin.index_select(1, recs), k))
+            t.kmax.index_copy_(1, recs, torch.maximum(t.kmax.index_select(1, recs), k))
+            t.sal_sum.index_add_(1, recs, saliency)
+            return
+        at = (layers.to(t.kmin.device).unsqueeze(1), recs.unsqueeze(0))
         t.kmin[at] = torch.minimum(t.kmin[at], k)
         t.kmax[at] = torch.maximum(t.kmax[at], k)
-        t.sal_sum[at] += saliency.to(t.sal_sum.device, torch.float32)
+        t.sal_sum[at] += saliency
 
     def _update_summaries(self, layer: int, recs: torch.Tensor, k: torch.Tensor, saliency: torch.Tensor, *,
                           one_per_page: bool) -> None:
@@ -521,16 +526,17 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         if decode:
             self.step_no += 1
             m.decode_steps += 1
+            needed = access.needed.long()
             t.last_access[access.needed] = self.step_no
-            t.frequency += access.needed.long()
-            t.win_access += access.needed.long()
+            t.frequency += needed
+            t.win_access += needed
             m.hits += int(access.needed.sum()) - missed
             m.misses += missed
             if prefetch:
                 used = access.needed & (t.prefetched | t.staged)  # there because the prefetcher brought them in
                 m.prefetch_hits += int(used.sum())
                 t.prefetched &= ~used
-            t.hist = ((t.hist << 1) & HIST_MASK) | access.needed.long()
+            t.hist = ((t.hist << 1) & HIST_MASK) | needed
         else:
             m.prefill_steps += 1
         if prefetch:

@@ -208,10 +208,13 @@ class PageTable:
         window and the page being written; a shared page is T0 when it is in the hot window of
         any running sequence listing it."""
         self.t0.zero_()
+        hot: list[int] = []  # every running sequence's hot records, gathered in Python: one write
         for seq, pages in self.seq_pages.items():
             if pages and seq not in self.paused:
-                recs = torch.tensor(pages, dtype=torch.long)
-                self.t0[recs[hot_pages(self.seq_len[seq], self.page_size, sink_tokens, recent_tokens)]] = True
+                n, sink, first_recent = _hot_bounds(self.seq_len[seq], self.page_size, sink_tokens, recent_tokens)
+                hot += pages[: min(sink, n)] + pages[max(first_recent, sink) : n]  # hot_pages' pages
+        if hot:
+            self.t0[torch.tensor(hot, dtype=torch.long)] = True
 
     def hold(self, recs: torch.Tensor) -> None:
         """The prefix index takes one reference on each of ``recs`` (live full pages, not yet cached)."""
