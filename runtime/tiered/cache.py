@@ -41,7 +41,7 @@ from tieredkv.runtime.tiered.config import KV_DTYPES, TieredKVConfig
 from tieredkv.runtime.tiered.layer_step import LayerStep
 from tieredkv.runtime.tiered.manager import TierManager
 from tieredkv.runtime.tiered.metrics import TierMetrics
-from tieredkv.runtime.tiered.page_table import hot_page_count, hot_pages
+from tieredkv.runtime.tiered.page_table import hot_page_count, hot_records
 from tieredkv.runtime.tiered.policies import make_policy
 from tieredkv.runtime.tiered.prefetch import make_prefetcher
 from tieredkv.runtime.tiered.scorer import ImportanceScorer
@@ -198,9 +198,9 @@ class TieredKVCache(KVCache):
             if seq in t.paused:
                 continue
             n = t.seq_len[seq] + (num_new if seq in step else 0)
-            hot = hot_pages(n, P, w.sink_tokens, w.recent_tokens).tolist()
-            pinned.update(p for p, h in zip(pages, hot) if h)
-            new += sum(hot[len(pages):])  # pages the step creates
+            held = hot_records(pages, n, P, w.sink_tokens, w.recent_tokens)
+            pinned.update(held)
+            new += hot_page_count(n, P, w.sink_tokens, w.recent_tokens) - len(held)  # pages the step creates
         return len(pinned) + new <= cap
 
     def usage(self) -> KVUsage:

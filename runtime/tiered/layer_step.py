@@ -228,12 +228,18 @@ class LayerStep:
         k, v = gather_pages(pool_k, self.slots[layer]), gather_pages(pool_v, self.slots[layer])
         b, kvh, m, p, d = k.shape
         t = q.shape[2]
-        if self._allowed_all is None:
-            self._allowed_all = allowed_keys(self.valid, self.index, self.seq_len, self.past, t, p)
+        allowed = self.allowed_all(t, p)
         k, v = k.view(b, kvh, m * p, d), v.view(b, kvh, m * p, d)
         if t == 1 and k.dtype == q.dtype:
-            return attention(q, k, v, self._allowed_all.view(b, 1, t, m * p))
-        return attend_out(q, k, v, self._allowed_all)
+            return attention(q, k, v, allowed.view(b, 1, t, m * p))
+        return attend_out(q, k, v, allowed)
+
+    def allowed_all(self, num_queries: int, page_size: int) -> torch.Tensor:
+        """The keys every query may see when a layer attends every listed page (the same in every
+        layer: :func:`allowed_keys` once per step)."""
+        if self._allowed_all is None:
+            self._allowed_all = allowed_keys(self.valid, self.index, self.seq_len, self.past, num_queries, page_size)
+        return self._allowed_all
 
     def score_inputs(self, layer: int, q: torch.Tensor) -> tuple:
         """ImportanceScore's inputs for the listed pages of ``layer`` under queries q [B, H, D]."""
@@ -307,10 +313,7 @@ class LayerStep:
                 mgr.read_pages_into(layer, recs, pool_k.dtype, put, exact=ex)
         allowed = None
         if cols is None and heads is None and attended is self.valid:  # every page: the same keys in every layer
-            if self._allowed_all is None:
-                self._allowed_all = allowed_keys(self.valid, self.index, self.seq_len, self.past, q.shape[2],
-                                                 pool_k.shape[2])
-            allowed = self._allowed_all
+            allowed = self.allowed_all(q.shape[2], pool_k.shape[2])
         page_mask = att if heads is None else pick(heads) & att.unsqueeze(1)
         out, mass = attend_pages(q, k, v, page_mask, pick(self.index), self.seq_len, self.past, allowed=allowed)
         if cols is not None:

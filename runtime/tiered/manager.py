@@ -324,16 +324,15 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
             # page may have left the T0 window as the sequence grew, or left with a paused sequence)
             written = torch.tensor(new + partial, dtype=torch.long)
             missing = (t.device_slot[:, written] < 0).sum(1)  # per layer (new pages are never resident)
-            want = None
             if bool(missing.any()):
                 want = torch.zeros(self.L, t.capacity, dtype=torch.bool)
                 want[:, written] = True
-                room = self._make_room(missing, protect=want)
-            if want is not None and bool((room < missing).any()):
-                raise KVCacheFullError(
-                    f"the device budget ({self.resident_cap} resident pages per layer) cannot take the "
-                    f"{len(new)} new page(s) of this step: every resident page is in T0 (sinks + recent window) of "
-                    "a live sequence. Raise the device budget, lower recent_tokens, or run fewer sequences at once.")
+                if bool((self._make_room(missing, protect=want) < missing).any()):
+                    raise KVCacheFullError(
+                        f"the device budget ({self.resident_cap} resident pages per layer) cannot take the "
+                        f"{len(new)} new page(s) of this step: every resident page is in T0 (sinks + recent window) "
+                        "of a live sequence. Raise the device budget, lower recent_tokens, or run fewer sequences "
+                        "at once.")
             if new:
                 recs = torch.tensor(new, dtype=torch.long)
                 layers = torch.arange(self.L).repeat_interleave(len(recs))

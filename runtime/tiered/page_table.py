@@ -70,6 +70,13 @@ def hot_page_count(seq_len: int, page_size: int, sink_tokens: int, recent_tokens
     return sink + n - max(first_recent, sink)
 
 
+def hot_records(pages: list[int], seq_len: int, page_size: int, sink_tokens: int, recent_tokens: int) -> list[int]:
+    """Of a sequence's records ``pages`` (in logical order; the first ones when it has fewer than
+    its length needs), those :func:`hot_pages` marks at length ``seq_len`` — in Python, no tensor."""
+    n, sink, first_recent = _hot_bounds(seq_len, page_size, sink_tokens, recent_tokens)
+    return pages[: min(sink, n)] + pages[max(first_recent, sink) : n]
+
+
 @dataclass(eq=False)
 class PageTableState:
     """A copy of a :class:`PageTable` (:meth:`PageTable.snapshot`)."""
@@ -211,8 +218,7 @@ class PageTable:
         hot: list[int] = []  # every running sequence's hot records, gathered in Python: one write
         for seq, pages in self.seq_pages.items():
             if pages and seq not in self.paused:
-                n, sink, first_recent = _hot_bounds(self.seq_len[seq], self.page_size, sink_tokens, recent_tokens)
-                hot += pages[: min(sink, n)] + pages[max(first_recent, sink) : n]  # hot_pages' pages
+                hot += hot_records(pages, self.seq_len[seq], self.page_size, sink_tokens, recent_tokens)
         if hot:
             self.t0[torch.tensor(hot, dtype=torch.long)] = True
 

@@ -131,8 +131,12 @@ def test_random_sharing_keeps_the_counts(ops):
 
 
 def test_hot_page_count_counts_the_hot_pages():
-    from tieredkv.runtime.tiered.page_table import hot_page_count, hot_pages
+    from tieredkv.runtime.tiered.page_table import hot_page_count, hot_pages, hot_records
 
     for P, sink, recent in ((1, 0, 0), (8, 4, 16), (16, 4, 64), (16, 40, 8)):
         for n in range(0, 200):
             assert hot_page_count(n, P, sink, recent) == int(hot_pages(n, P, sink, recent).sum()), (n, P, sink, recent)
+            pages = [100 + i for i in range(-(-n // P))]  # the records hot_records picks from, and a shorter list
+            want = [p for p, h in zip(pages, hot_pages(n, P, sink, recent).tolist()) if h]
+            assert hot_records(pages, n, P, sink, recent) == want, (n, P, sink, recent)
+            assert hot_records(pages[:-1], n, P, sink, recent) == [p for p in want if p in pages[:-1]]
