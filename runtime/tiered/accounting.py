@@ -21,7 +21,23 @@ class TierAccounting:
         tier[t.device_slot >= 0] = TIER_CODES["device"]
         return tier
 
+    def all_resident(self) -> bool:
+        """Every live page full precision on the device in every layer: then the counts per tier
+        follow from the records alone (slots are held by live records only, one per layer)."""
+        return int(self.device.used().sum()) == self.L * int(self.table.alive.sum())
+
     def tier_counts(self) -> dict[str, int]:
+        """Pages per tier now (a page with a device copy counts in T0 / T1 / T2; a warm copy
+        counts in T2w besides)."""
+        if not self.all_resident():
+            return self._tier_counts_by_page()
+        t, L = self.table, self.L
+        t0 = L * int((t.alive & t.t0).sum())
+        t1 = int((t.t1 & ~t.t0 & t.alive).sum())
+        warm = 0 if self.warm is None else int(self.warm.used().sum())
+        return {"T0": t0, "T1": t1, "T2": L * int(t.alive.sum()) - t0 - t1, "T2w": warm, "T3": 0, "T4": 0}
+
+    def _tier_counts_by_page(self) -> dict[str, int]:
         t = self.table
         alive = t.alive.unsqueeze(0)
         dev = (t.device_slot >= 0) & alive
@@ -42,6 +58,18 @@ class TierAccounting:
         """Device-owned page bytes: full-precision pages plus encoded warm pages."""
         warm = 0 if self.warm is None else int(self.warm.used().sum()) * self.warm.page_bytes
         return int(self.device.used().sum()) * self.page_bytes + warm
+
+    def resident_token_bytes(self) -> int:
+        """Of :meth:`resident_bytes`, the bytes that hold tokens (a partial page holds fewer than P)."""
+        t = self.table
+        if self.all_resident():
+            full = self.L * int((t.tokens * t.alive).sum())
+        else:
+            full = int((t.tokens.unsqueeze(0) * (t.device_slot >= 0)).sum())
+        warm = 0
+        if self.warm is not None and int(self.warm.used().sum()):
+            warm = int((t.tokens.unsqueeze(0) * (t.warm_slot >= 0)).sum())
+        return full * self.page_bytes // self.P + warm * self.warm_page_bytes // self.P
 
     def _record_residency(self) -> None:
         """Per step: the device-owned bytes (the resident-bytes-over-time series)."""
@@ -73,8 +101,13 @@ class TierAccounting:
             assert alive[recs].all(), f"{pool.name}: slot held by a dead record"
             assert (pool.owner[layers, slots[layers, recs]] == recs).all(), f"{pool.name}: owner/slot mismatch"
             assert int((pool.owner >= 0).sum()) == len(recs), f"{pool.name}: orphan slot"
+            assert torch.equal(pool.used(), (pool.owner >= 0).sum(1)), f"{pool.name}: slot count off"
             if pool.max_capacity is not None:
                 assert int(pool.used().max()) <= pool.max_capacity, f"{pool.name}: over capacity"
+        assert self.tier_counts() == self._tier_counts_by_page(), "tier counts differ from the per-page count"
+        tokens = t.tokens.unsqueeze(0)
+        assert self.resident_token_bytes() == (int((tokens * (t.device_slot >= 0)).sum()) * self.page_bytes // self.P + int(
+            (tokens * (t.warm_slot >= 0)).sum()) * self.warm_page_bytes // self.P), "token bytes differ from the per-page sum"
         live = alive.unsqueeze(0).expand(self.L, -1)
         has_copy = (t.device_slot >= 0) | (t.host_slot >= 0) | (t.disk_slot >= 0)
         written = (t.tokens > 0).unsqueeze(0) & live

@@ -208,7 +208,7 @@ class TieredKVCache(KVCache):
         alive = int(t.alive.sum())
         return KVUsage(sequences=len(t.seq_len), device_pages=int(m.device.used().max()) if alive else 0,
                        device_capacity=m.resident_cap, device_bytes=self.kv_bytes(),
-                       token_bytes=self.resident_token_bytes(), sequence_refs=int(t.refs.sum()) - int(t.cached.sum()),
+                       token_bytes=m.resident_token_bytes(), sequence_refs=int(t.refs.sum()) - int(t.cached.sum()),
                        indexed_pages=int(t.cached.sum()), tier_bytes=m.tier_bytes())
 
     def counters(self) -> dict[str, int]:
@@ -316,14 +316,6 @@ class TieredKVCache(KVCache):
     def kv_bytes(self) -> int:
         """Device-resident K/V bytes (T0 + T1 + T2)."""
         return self.mgr.resident_bytes()
-
-    def resident_token_bytes(self) -> int:
-        """Of :meth:`kv_bytes`, the bytes that hold tokens (a partial page holds fewer than P)."""
-        t, m = self.mgr.table, self.mgr
-        tokens = t.tokens.unsqueeze(0)
-        full = int((tokens * (t.device_slot >= 0)).sum()) * m.page_bytes // self.config.page_size
-        warm = int((tokens * (t.warm_slot >= 0)).sum()) * m.warm_page_bytes // self.config.page_size
-        return full + warm
 
     def max_step_tokens(self) -> int | None:
         """The most new tokens one step may bring while residency stays within the

@@ -122,7 +122,8 @@ class LayerStep:
         self.index, self.tokens = plan.index.to(dev), plan.tokens.to(dev)
         self.distance, self.seq_len, self.past = plan.distance.to(dev), plan.seq_len.to(dev), plan.past.to(dev)
         self.candidates = plan.candidates.to(dev)
-        self.write_slots = t.device_slot.index_select(1, plan.write_recs).to(dev)  # resident all step
+        # the new tokens' device slots, one [B * T] row per layer (resident all step)
+        self.write_slots = t.device_slot.index_select(1, plan.write_recs).to(dev).unbind(0)
         budget = cache.budgets.attention_pages
         self.budget = ATTEND_ALL if budget is None or not self.decode else budget
         counts = torch.tensor(plan.lengths)

@@ -307,6 +307,8 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         t = self.table
         new: list[int] = []
         partial: list[int] = []  # existing pages the step writes into (a sequence's last, partial page)
+        filled: list[int] = []  # the pages whose token counts change, and the counts
+        counts: list[int] = []
         for seq in seqs:
             n = t.seq_len[seq] + num_new
             pages = t.seq_pages[seq]
@@ -317,7 +319,10 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
                 new.append(pages[-1])
             t.seq_len[seq] = n
             for i in range(max(0, len(pages) - -(-num_new // self.P) - 1), len(pages)):
-                t.tokens[pages[i]] = min(self.P, n - i * self.P)
+                filled.append(pages[i])
+                counts.append(min(self.P, n - i * self.P))
+        if filled:
+            t.tokens[torch.tensor(filled, dtype=torch.long)] = torch.tensor(counts, dtype=t.tokens.dtype)
         t.update_t0(self.config.window.sink_tokens, self.config.window.recent_tokens)
         if new or partial:
             # every page written this step is resident and stays so until the step ends (a partial
@@ -472,8 +477,9 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         if rec.mass is None:  # not measured (every page attended full precision on the device, nothing streamed):
             # what the step needed; importance and relevance stay as they were
             if plan.decode:
-                need = rec.selected & valid & ~plan.t0
-                acc.needed[torch.arange(L).view(L, 1, 1).expand_as(need)[need], recs.expand_as(need)[need]] = True
+                need = (rec.selected & valid & ~plan.t0).expand(L, -1, -1).reshape(L, -1)
+                # or-ed into [L, R] by record (a page several sequences list is set by any of them)
+                acc.needed.view(torch.uint8).scatter_reduce_(1, recs.view(1, -1).expand(L, -1), need.view(torch.uint8), "amax")
             return
         flat = recs.flatten()
         at = lambda column: column.index_select(1, flat).view(L, *recs.shape)  # noqa: E731 ([L, R] -> [L, B, M])

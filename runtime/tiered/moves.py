@@ -46,7 +46,7 @@ class PageMoves:
         layers = torch.arange(self.L).repeat_interleave(len(recs))
         self.metrics.warm_drops += self._drop_warm(layers, recs.repeat(self.L))
         for pool, slots in self._pools()[2:]:  # host, disk
-            if pool is None:
+            if pool is None or not int(pool.used().sum()):
                 continue
             sub = slots[:, recs]
             layers, cols = (sub >= 0).nonzero(as_tuple=True)

@@ -73,9 +73,21 @@ class TierPool:
         """Bytes of K plus V of one page in one layer."""
         return 2 * int(np.prod(self.page_shape)) * self.element_size
 
+    @property
+    def owner(self) -> torch.Tensor:
+        """[L, C]: the record each slot holds, -1 where it is free."""
+        return self._owner
+
+    @owner.setter
+    def owner(self, value: torch.Tensor) -> None:
+        self._owner, self._used = value, None
+
     def used(self) -> torch.Tensor:
-        """Owned slots per layer [L]."""
-        return (self.owner >= 0).sum(1)
+        """Owned slots per layer [L]: counted when the owners were set, then kept by :meth:`alloc`
+        (a release counts them again on the next call)."""
+        if self._used is None:
+            self._used = (self._owner >= 0).sum(1)
+        return self._used.clone()
 
     def free(self) -> torch.Tensor:
         """Slots per layer that may still be taken [L]: up to the capacity of a bounded pool
@@ -106,7 +118,8 @@ class TierPool:
         if len(layers) == 0:
             return torch.empty(0, dtype=torch.long)
         rank, need = _rank_within_groups(layers, self.num_layers)
-        total = int((self.used() + need).max())
+        used = self.used() + need
+        total = int(used.max())
         if self.max_capacity is not None and total > self.max_capacity:
             return None
         if total > self.capacity:
@@ -118,11 +131,13 @@ class TierPool:
         by_rank = torch.full_like(self.owner, -1)
         by_rank[fl, frank] = fc
         slots = by_rank[layers, rank]
-        self.owner[layers, slots] = records
+        self._owner[layers, slots] = records
+        self._used = used  # (distinct free slots: the count is exact)
         return slots
 
     def release(self, layers: torch.Tensor, slots: torch.Tensor) -> None:
-        self.owner[layers, slots] = -1
+        self._owner[layers, slots] = -1
+        self._used = None  # (a pair may repeat or already be free: counted again when asked)
 
     def read(self, layers: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layers, slots], self.v[layers, slots]
