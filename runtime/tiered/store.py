@@ -75,7 +75,9 @@ class TierPool:
 
     @property
     def owner(self) -> torch.Tensor:
-        """[L, C]: the record each slot holds, -1 where it is free."""
+        """[L, C]: the record each slot holds, -1 where it is free. Change it through
+        :meth:`alloc` / :meth:`release` (or assign a whole new table): a write into it in place
+        would leave :meth:`used` stale (``check_invariants`` compares the two)."""
         return self._owner
 
     @owner.setter
