@@ -61,15 +61,16 @@ class TierAccounting:
 
     def resident_token_bytes(self) -> int:
         """Of :meth:`resident_bytes`, the bytes that hold tokens (a partial page holds fewer than P)."""
+        if not self.all_resident() or (self.warm is not None and int(self.warm.used().sum())):
+            return self._resident_token_bytes_by_page()
         t = self.table
-        if self.all_resident():
-            full = self.L * int((t.tokens * t.alive).sum())
-        else:
-            full = int((t.tokens.unsqueeze(0) * (t.device_slot >= 0)).sum())
-        warm = 0
-        if self.warm is not None and int(self.warm.used().sum()):
-            warm = int((t.tokens.unsqueeze(0) * (t.warm_slot >= 0)).sum())
-        return full * self.page_bytes // self.P + warm * self.warm_page_bytes // self.P
+        return self.L * int((t.tokens * t.alive).sum()) * self.page_bytes // self.P
+
+    def _resident_token_bytes_by_page(self) -> int:
+        t = self.table
+        tokens = t.tokens.unsqueeze(0)
+        full = int((tokens * (t.device_slot >= 0)).sum()) * self.page_bytes // self.P
+        return full + int((tokens * (t.warm_slot >= 0)).sum()) * self.warm_page_bytes // self.P
 
     def _record_residency(self) -> None:
         """Per step: the device-owned bytes (the resident-bytes-over-time series)."""
@@ -105,9 +106,7 @@ class TierAccounting:
             if pool.max_capacity is not None:
                 assert int(pool.used().max()) <= pool.max_capacity, f"{pool.name}: over capacity"
         assert self.tier_counts() == self._tier_counts_by_page(), "tier counts differ from the per-page count"
-        tokens = t.tokens.unsqueeze(0)
-        assert self.resident_token_bytes() == (int((tokens * (t.device_slot >= 0)).sum()) * self.page_bytes // self.P + int(
-            (tokens * (t.warm_slot >= 0)).sum()) * self.warm_page_bytes // self.P), "token bytes differ from the per-page sum"
+        assert self.resident_token_bytes() == self._resident_token_bytes_by_page(), "token bytes differ from the per-page sum"
         live = alive.unsqueeze(0).expand(self.L, -1)
         has_copy = (t.device_slot >= 0) | (t.host_slot >= 0) | (t.disk_slot >= 0)
         written = (t.tokens > 0).unsqueeze(0) & live
