@@ -465,11 +465,12 @@ def test_warm_attention_refuses_a_descriptor_of_other_pages(lib):
 
 
 @pytest.mark.parametrize("bits", [2, 4, 6, 8])
-def test_unpack_values_equals_unpack(bits):
-    """The table lookup decode_pages unpacks 2/4/8-bit codes with gives unpack's codes as floats
-    (6-bit codes take unpack's path), for every byte value and a count that cuts the last byte."""
+def test_unpack_codes_equals_unpack(bits):
+    """The uint8 shifts decode_pages unpacks 2/4/8-bit codes with give unpack's codes (6-bit
+    codes take unpack's path), for every byte value and a count that cuts the last byte."""
     data = torch.cat([torch.arange(256, dtype=torch.uint8),
                       torch.randint(0, 256, (999,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))])
     data = data[: len(data) // 3 * 3]
     count = len(data) * 8 // bits - 1
-    assert torch.equal(codec.unpack_values(data, bits, count), codec.unpack(data, bits, count).float())
+    got = codec.unpack_codes(data, bits, count)
+    assert got.dtype == torch.uint8 and torch.equal(got, codec.unpack(data, bits, count))
