@@ -37,6 +37,13 @@ def _rank_within_groups(groups: torch.Tensor, num_groups: int) -> tuple[torch.Te
     return rank, counts
 
 
+def _take(store: torch.Tensor, layers: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``store[layers, slots]`` of a pool's [L, C, ...] tensor as one ``index_select`` over its
+    (layer, slot) rows: 2.5x faster on this CPU than the two-tensor advanced index."""
+    rows = (layers * store.shape[1] + slots).to(store.device)
+    return store.view(-1, *store.shape[2:]).index_select(0, rows)
+
+
 class TierPool:
     """``capacity``: the most pages per layer the pool may hold (None: no limit). Slots are
     allocated as they are needed (doubling, from ``initial``), never more than that: a budget
@@ -128,10 +135,15 @@ class TierPool:
             self._grow(total)
         # the rank-th free slot of each layer, without sorting: number the free slots per row
         free = self.owner < 0
-        fl, fc = free.nonzero(as_tuple=True)  # row-major: slots ascending within each layer
-        frank = torch.cumsum(free, dim=1)[fl, fc] - 1
-        by_rank = torch.full_like(self.owner, -1)
-        by_rank[fl, frank] = fc
+        k = int(rank.max()) + 1
+        if k * 32 <= self.capacity:  # a few per layer (a decode step's moves): the free slot numbered j + 1
+            counted = torch.cumsum(free, dim=1)
+            by_rank = torch.searchsorted(counted, torch.arange(1, k + 1).expand(self.num_layers, k).contiguous())
+        else:  # many (a prompt's pages): every free slot by its number
+            fl, fc = free.nonzero(as_tuple=True)  # row-major: slots ascending within each layer
+            frank = torch.cumsum(free, dim=1)[fl, fc] - 1
+            by_rank = torch.full_like(self.owner, -1)
+            by_rank[fl, frank] = fc
         slots = by_rank[layers, rank]
         self._owner[layers, slots] = records
         self._used = used  # (distinct free slots: the count is exact)
@@ -142,7 +154,7 @@ class TierPool:
         self._used = None  # (a pair may repeat or already be free: counted again when asked)
 
     def read(self, layers: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layers, slots], self.v[layers, slots]
+        return _take(self.k, layers, slots), _take(self.v, layers, slots)
 
     def write(self, layers: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layers, slots] = k.to(self.k.device, self.dtype)
@@ -345,7 +357,7 @@ class WarmPool(TierPool):
         from tieredkv.plugins.codec import decode_pages
 
         if self.decoded is None:
-            return decode_pages(self.data[layers, slots], self.codec, self.shape, contiguous=False)
+            return decode_pages(_take(self.data, layers, slots), self.codec, self.shape, contiguous=False)
         return self.decoded[0][layers, slots], self.decoded[1][layers, slots]
 
     def write(self, layers: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
