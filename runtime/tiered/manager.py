@@ -474,12 +474,18 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         each: flags or-ed, masses summed, the highest importance and relevance kept."""
         acc, t, m, L = self._access, self.table, self.metrics, self.L
         recs, valid = plan.recs, plan.valid.unsqueeze(0)
+        # the flat [L, R] index of every entry, padding included: a padding column lists its row's first
+        # record and adds nothing (flags or-ed with False, masses 0, maxima with 0: values start at 0) —
+        # dense scatters, 4-10x faster than selecting the valid entries by mask first
+        rows = (torch.arange(L).view(L, 1, 1) * t.capacity + recs).flatten()
+
+        def flag(column: torch.Tensor, mask: torch.Tensor) -> None:  # column[L, R] |= mask[L, B, M], by record
+            column.view(torch.uint8).view(-1).scatter_reduce_(0, rows, mask.view(torch.uint8).flatten(), "amax")
+
         if rec.mass is None:  # not measured (every page attended full precision on the device, nothing streamed):
             # what the step needed; importance and relevance stay as they were
             if plan.decode:
-                need = (rec.selected & valid & ~plan.t0).expand(L, -1, -1).reshape(L, -1)
-                # or-ed into [L, R] by record (a page several sequences list is set by any of them)
-                acc.needed.view(torch.uint8).scatter_reduce_(1, recs.view(1, -1).expand(L, -1), need.view(torch.uint8), "amax")
+                flag(acc.needed, (rec.selected & valid & ~plan.t0).expand(L, -1, -1))
             return
         flat = recs.flatten()
         at = lambda column: column.index_select(1, flat).view(L, *recs.shape)  # noqa: E731 ([L, R] -> [L, B, M])
@@ -490,11 +496,13 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         resident = full | warm
         keep = valid.expand(L, -1, -1)
         selected, attended = rec.selected & keep, rec.attended & keep
-        rows = (torch.arange(L).view(L, 1, 1) * t.capacity + recs)[keep]  # [N] flat [L, R] index of each valid entry
+        def kept(values: torch.Tensor) -> torch.Tensor:
+            return torch.where(keep, values.float(), 0.0).flatten()
+
         if plan.decode:
             need = selected & ~plan.t0
-            acc.needed.view(-1)[rows[need[keep]]] = True
-            acc.missing.view(-1)[rows[(need & ~resident & ~staged)[keep]]] = True
+            flag(acc.needed, need)
+            flag(acc.missing, need & ~resident & ~staged)
             m.masked += int((selected & ~attended).sum())
         streamed = attended & ~resident
         warm_read = attended & warm
@@ -502,13 +510,13 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
             exact = rec.exact & keep
             warm_read &= ~exact
             streamed |= exact
-        acc.streamed.view(-1)[rows[streamed[keep]]] = True
-        acc.mass.view(-1).index_add_(0, rows, rec.mass[keep].float())
+        flag(acc.streamed, streamed)
+        acc.mass.view(-1).index_add_(0, rows, kept(rec.mass))
         importance = rec.mass if rec.importance is None else rec.importance
         relevance = rec.mass if rec.relevance is None else rec.relevance
         for column, values in ((acc.importance, importance), (acc.relevance, relevance)):
-            column.view(-1).scatter_reduce_(0, rows, values[keep].float(), "amax")  # values >= 0, start at 0
-        acc.scored.view(-1)[rows] = True
+            column.view(-1).scatter_reduce_(0, rows, kept(values), "amax")  # values >= 0, start at 0
+        flag(acc.scored, keep)
         pages = attended & ~full & ~warm_read & ~staged  # streamed this step: [L, B, M]
         per = pages.sum(-1)  # per layer and sequence
         m.warm_reads += int(warm_read.sum())
