@@ -496,6 +496,7 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         resident = full | warm
         keep = valid.expand(L, -1, -1)
         selected, attended = rec.selected & keep, rec.attended & keep
+
         def kept(values: torch.Tensor) -> torch.Tensor:
             return torch.where(keep, values.float(), 0.0).flatten()
 

@@ -135,15 +135,14 @@ class TierPool:
             self._grow(total)
         # the rank-th free slot of each layer, without sorting: number the free slots per row
         free = self.owner < 0
+        counted = torch.cumsum(free, dim=1)  # free slots up to and including each slot
         k = int(rank.max()) + 1
         if k * 32 <= self.capacity:  # a few per layer (a decode step's moves): the free slot numbered j + 1
-            counted = torch.cumsum(free, dim=1)
             by_rank = torch.searchsorted(counted, torch.arange(1, k + 1).expand(self.num_layers, k).contiguous())
         else:  # many (a prompt's pages): every free slot by its number
             fl, fc = free.nonzero(as_tuple=True)  # row-major: slots ascending within each layer
-            frank = torch.cumsum(free, dim=1)[fl, fc] - 1
             by_rank = torch.full_like(self.owner, -1)
-            by_rank[fl, frank] = fc
+            by_rank[fl, counted[fl, fc] - 1] = fc
         slots = by_rank[layers, rank]
         self._owner[layers, slots] = records
         self._used = used  # (distinct free slots: the count is exact)
@@ -358,7 +357,7 @@ class WarmPool(TierPool):
 
         if self.decoded is None:
             return decode_pages(_take(self.data, layers, slots), self.codec, self.shape, contiguous=False)
-        return self.decoded[0][layers, slots], self.decoded[1][layers, slots]
+        return _take(self.decoded[0], layers, slots), _take(self.decoded[1], layers, slots)
 
     def write(self, layers: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         from tieredkv.plugins.codec import decode_pages, encode_pages
