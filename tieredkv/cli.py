@@ -112,6 +112,10 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
                    help="per layer and decode step, read the N warm pages most relevant at the last step from "
                         "their exact host copy instead of decoding them; auto (the default): 4 in exact mode, 0 in "
                         "masked mode")
+    g.add_argument("--warm-ladder", default=None, metavar="RUNGS",
+                   help="rungs of lower precision below the warm codec, as codec:share of the warm bytes "
+                        "(e.g. int2:0.5 or int4:0.4,int2:0.3): each warm page's rung chosen by its priority "
+                        "(PyTorch backend only; default off)")
     g.add_argument("--kv-dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="dtype the tiered cache stores pages in (default: the model's)")
     g.add_argument("--prefetch", nargs="?", const="default", default=None, metavar="PREDICTOR",

@@ -187,6 +187,8 @@ def tiered_method(model: Llama, config, *, name: str | None = None, prefill_chun
     if config.warm.codec:
         info.update(warm_codec=config.warm.codec, warm_fraction=config.warm.fraction,
                     warm_exact_reads=config.warm.reads_exact(config.selection.mode))
+        if config.warm.ladder:
+            info["warm_ladder"] = config.warm.ladder
     if config.kv_dtype:
         info["kv_dtype"] = config.kv_dtype
     if config.selection.aggregate != "share":

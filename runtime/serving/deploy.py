@@ -26,7 +26,7 @@ from tieredkv.errors import ConfigError, DataFileError, short
 #: the tiered-KV flags of the CLI, by their TieredKVConfig setting name
 KV_FLAGS = {"kv_budget": "device_budget", "attention_budget": "attention_budget", "policy": "policy",
             "mode": "mode", "warm_codec": "warm_codec", "warm_fraction": "warm_fraction",
-            "warm_exact_reads": "warm_exact_reads", "kv_dtype": "kv_dtype",
+            "warm_exact_reads": "warm_exact_reads", "warm_ladder": "warm_ladder", "kv_dtype": "kv_dtype",
             "selection_aggregate": "selection_aggregate", "dense_layers": "dense_layers",
             "prefetch": "prefetch_predictor",
             "prefetch_distance": "prefetch_distance", "access_log": "access_log"}

@@ -50,14 +50,18 @@ class TierAccounting:
                 "T4": int((alive & ~dev & ~warm & ~host_only & (t.disk_slot >= 0)).sum())}
 
     def tier_bytes(self, counts: dict[str, int] | None = None) -> dict[str, int]:
-        """Bytes per tier now (or of the given page counts); the metrics are left as they are."""
+        """Bytes per tier now (``counts``: the page counts of now, when known); the metrics are
+        left as they are. The warm pages count at their rung's bytes."""
         counts = self.tier_counts() if counts is None else counts
-        return {tier: n * (self.warm_page_bytes if tier == "T2w" else self.page_bytes) for tier, n in counts.items()}
+        return {tier: self.warm_bytes() if tier == "T2w" else n * self.page_bytes for tier, n in counts.items()}
+
+    def warm_bytes(self) -> int:
+        """Bytes of the encoded pages the warm sub-tier holds now."""
+        return 0 if self.warm is None else self.warm.bytes_used()
 
     def resident_bytes(self) -> int:
         """Device-owned page bytes: full-precision pages plus encoded warm pages."""
-        warm = 0 if self.warm is None else int(self.warm.used().sum()) * self.warm.page_bytes
-        return int(self.device.used().sum()) * self.page_bytes + warm
+        return int(self.device.used().sum()) * self.page_bytes + self.warm_bytes()
 
     def resident_token_bytes(self) -> int:
         """Of :meth:`resident_bytes`, the bytes that hold tokens (a partial page holds fewer than P)."""
@@ -70,7 +74,10 @@ class TierAccounting:
         t = self.table
         tokens = t.tokens.unsqueeze(0)
         full = int((tokens * (t.device_slot >= 0)).sum()) * self.page_bytes // self.P
-        return full + int((tokens * (t.warm_slot >= 0)).sum()) * self.warm_page_bytes // self.P
+        warm = t.warm_slot >= 0
+        if not bool(warm.any()):
+            return full
+        return full + int((tokens.expand_as(warm)[warm] * self.warm.page_bytes_of(t.warm_slot[warm])).sum()) // self.P
 
     def _record_residency(self) -> None:
         """Per step: the device-owned bytes (the resident-bytes-over-time series)."""
@@ -85,7 +92,7 @@ class TierAccounting:
         counts = self.tier_counts()
         m.pages_per_tier = counts
         m.bytes_per_tier = self.tier_bytes(counts)
-        m.warm_bytes_saved = counts["T2w"] * (self.page_bytes - self.warm_page_bytes)
+        m.warm_bytes_saved = counts["T2w"] * self.page_bytes - self.warm_bytes()
         m.summary_bytes = int(self.table.alive.sum()) * self.L * 2 * self.kv_heads * self.head_dim * 4
         return m
 

@@ -124,6 +124,7 @@ class ResolvedBudgets:
     staging_pages: int
     warm_pages: int = 0  # compressed pages per layer (warm sub-tier of T2)
     warm_given: int = 0  # full-precision pages whose bytes the warm sub-tier holds instead
+    warm_rungs: tuple[int, ...] = ()  # of warm_pages, the pages of each rung of the warm ladder
     reference: str = "float16"  # the dtype percentage budgets count bytes in
     stored: str = ""  # the dtype the pages are stored in ("": not given)
     page_bytes: int = 0  # bytes of one full-precision page across all layers, stored dtype
@@ -148,7 +149,8 @@ class ResolvedBudgets:
             lines.append(f"{b.name} budget {b.given} {share} = {_mib(b.bytes)} -> {pages} of "
                          f"{self.stored or 'stored'} pages ({_mib(self.page_bytes)} each, all layers)")
         if self.warm_pages:
-            lines.append(f"warm sub-tier: {self.warm_pages} encoded page(s) per layer in the bytes of "
+            rungs = f" (rungs of the ladder: {' + '.join(map(str, self.warm_rungs))})" if len(self.warm_rungs) > 1 else ""
+            lines.append(f"warm sub-tier: {self.warm_pages} encoded page(s) per layer{rungs} in the bytes of "
                          f"{self.warm_given} full-precision page(s)")
         return "\n".join(lines)
 
@@ -159,7 +161,7 @@ class ResolvedBudgets:
                 **{b.name: b.to_dict() for b in self.given},
                 "device_pages": self.device_pages, "host_pages": self.host_pages,
                 "attention_pages": self.attention_pages, "warm_pages": self.warm_pages,
-                "warm_given": self.warm_given}
+                "warm_given": self.warm_given, "warm_rungs": list(self.warm_rungs)}
 
 
 def _mib(n: int) -> str:
@@ -168,13 +170,15 @@ def _mib(n: int) -> str:
 
 def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_layer: int,
                     full_tokens: int | None, dtype: torch.dtype, num_sequences: int = 1,
-                    warm_page_bytes: int | None = None) -> ResolvedBudgets:
+                    warm_page_bytes: int | tuple[int, ...] | None = None) -> ResolvedBudgets:
     """Turn the budget strings into pages per layer; ConfigError when the device budget
     cannot hold the hot window (T0 of every sequence) plus the staging area.
     ``token_bytes_per_layer``: K + V bytes of one token of one layer in ``dtype``, the dtype
     the pages are stored in; a percentage budget is a share of the full cache's bytes in
     ``config.budgets.reference_dtype`` (module docstring).
-    ``warm_page_bytes``: bytes of one encoded page of one layer (with ``warm_codec``)."""
+    ``warm_page_bytes``: bytes of one encoded page of one layer (with ``warm_codec``); with a
+    warm ladder, one figure per rung (``config.warm.rungs()``), each rung holding the pages its
+    share of the warm bytes pays for."""
     P = config.page_size
     tok_all = token_bytes_per_layer * num_layers
     elem = torch.tensor([], dtype=dtype).element_size()
@@ -227,18 +231,28 @@ def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_
         # 'unlimited' given explicitly: every page, the non-resident ones fetched or masked)
         attention_pages = (device_pages - staging) // num_sequences
     warm_pages = warm_given = 0
+    warm_rungs: tuple[int, ...] = ()
     if device_pages is not None and config.warm.codec is not None:
         if not warm_page_bytes:
             raise ValueError("internal: warm_codec set but warm_page_bytes not given")
+        shares = [share for _, share in config.warm.rungs()]
+        rung_bytes = ((warm_page_bytes,) * len(shares) if isinstance(warm_page_bytes, int)
+                      else tuple(warm_page_bytes))
+        # the bytes of one encoded page, on average over the rungs' shares
+        mean_bytes = rung_bytes[0] if len(shares) == 1 else math.ceil(
+            1 / sum(s / b for s, b in zip(shares, rung_bytes)))
         # T0 (+ the page being allocated) stays full precision; warm_fraction of the rest is compressed
         spare = device_pages - staging - (config.t0_pages * num_sequences + 1)
         per_given = token_bytes_per_layer * P  # warm bytes one full-precision page gives
         if config.warm.fraction == "auto":
-            warm_given = _auto_warm_given(spare, device_pages - staging, per_given, warm_page_bytes,
+            warm_given = _auto_warm_given(spare, device_pages - staging, per_given, mean_bytes,
                                           None if full_tokens is None else -(-full_tokens // P) * num_sequences)
         else:
             warm_given = round(config.warm.fraction * spare)
-        warm_pages = warm_given * per_given // warm_page_bytes
+        given_bytes = warm_given * per_given
+        warm_rungs = ((given_bytes // rung_bytes[0],) if len(shares) == 1 else
+                      tuple(int(s * given_bytes) // b for s, b in zip(shares, rung_bytes)))
+        warm_pages = sum(warm_rungs)
         if att is None:
             attention_pages = (device_pages - staging - warm_given + warm_pages) // num_sequences
     page_bytes_all_layers = tok_all * P
@@ -252,7 +266,7 @@ def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_
                               pages)
                   for name, b, pages in (("device", dev, device_pages), ("host", host, host_pages),
                                          ("attention", att, attention_pages)) if b is not None)
-    return ResolvedBudgets(device_pages, host_pages, attention_pages, hot, staging, warm_pages, warm_given,
+    return ResolvedBudgets(device_pages, host_pages, attention_pages, hot, staging, warm_pages, warm_given, warm_rungs,
                            reference=reference, stored=str(dtype).removeprefix("torch."),
                            page_bytes=page_bytes_all_layers, given=given)
 

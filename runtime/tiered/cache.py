@@ -63,9 +63,9 @@ class TieredKVCache(KVCache):
             spec = dataclasses.replace(spec, dtype=KV_DTYPES[config.kv_dtype])
         self.spec = spec
         warm_bytes = None
-        if config.warm.codec is not None:
-            warm_bytes = codec_page_bytes(CODECS[config.warm.codec], spec.num_kv_heads, config.page_size,
-                                          spec.head_dim)
+        if config.warm.codec is not None:  # one encoded page's bytes per rung of the warm tier
+            warm_bytes = tuple(codec_page_bytes(CODECS[c], spec.num_kv_heads, config.page_size, spec.head_dim)
+                               for c, _ in config.warm.rungs())
         self.budgets = resolve_budgets(config, num_layers=spec.num_layers,
                                        token_bytes_per_layer=spec.token_bytes_per_layer,
                                        full_tokens=full_tokens, dtype=spec.dtype, num_sequences=num_sequences,

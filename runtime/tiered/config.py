@@ -267,6 +267,34 @@ def _exact_reads(v: Any) -> int | str:
     return v
 
 
+def _ladder(v: Any) -> str | None:
+    """``warm.ladder``: the rungs below ``warm.codec``, highest precision first, as
+    ``"codec:share,..."`` (or ``+`` between rungs; share: of the warm tier's bytes, the top rung
+    keeping the rest), or off. Normalized to the comma form (shares as given)."""
+    if v is None or (isinstance(v, str) and v in _OFF):
+        return None
+    if not isinstance(v, str) or not v.strip():
+        raise ValueError(f"must be 'off' or a string like 'int2:0.5' or 'int4:0.4,int2:0.3', got {short(v)}")
+    codecs, rungs = _codecs(), []
+    for item in v.replace("+", ",").split(","):
+        name, sep, share = item.strip().partition(":")
+        if name not in codecs or not sep:
+            raise ValueError(f"rung {short(item.strip())}: expected codec:share with a codec of {sorted(codecs)} "
+                             "and a share of the warm bytes in (0, 1), e.g. 'int2:0.5'")
+        try:
+            value = float(share)
+        except ValueError:
+            value = math.nan
+        if not 0.0 < value < 1.0:
+            raise ValueError(f"rung {short(item.strip())}: the share must be a number in (0, 1), got {short(share)}")
+        rungs.append(f"{name}:{share.strip()}")
+    total = sum(float(r.partition(":")[2]) for r in rungs)
+    if total >= 1.0:
+        raise ValueError(f"the rungs' shares sum to {total:g}; expected less than 1 (the top rung, warm.codec, "
+                         "keeps the rest of the warm bytes)")
+    return ",".join(rungs)
+
+
 @dataclass(frozen=True)
 class WarmConfig(_Settings):
     """The warm sub-tier of T2: with a ``codec`` (a name of ``tieredkv.plugins.codec.CODECS``;
@@ -296,6 +324,20 @@ class WarmConfig(_Settings):
     codec: str | None = setting("int4", _choice(_codecs, optional=True, aliases=_codec_aliases), flat="warm_codec")
     fraction: float | str = setting("auto", _warm_fraction, flat="warm_fraction")
     exact_reads: int | str = setting("auto", _exact_reads, flat="warm_exact_reads")
+    ladder: str | None = setting(None, _ladder, flat="warm_ladder")
+
+    def _check(self) -> None:
+        if self.ladder is not None and self.codec is None:
+            raise ConfigError(f"warm.ladder {self.ladder!r} needs a warm codec (its top rung); got warm.codec = off")
+
+    def rungs(self) -> tuple[tuple[str, float], ...]:
+        """(codec, share of the warm bytes) of every rung, highest precision first: ``codec`` with
+        the share the ladder leaves, then the ladder's rungs; () without a warm tier."""
+        if self.codec is None:
+            return ()
+        lower = [] if self.ladder is None else [(n, float(s)) for n, _, s in
+                                                 (r.partition(":") for r in self.ladder.split(","))]
+        return ((self.codec, 1.0 - sum(s for _, s in lower)), *lower)
 
     def reads_exact(self, mode: str) -> int:
         """Warm pages per layer a decode step reads exact (``exact_reads`` resolved for the

@@ -42,6 +42,7 @@ class TierMetrics:
     warm_reads: int = 0  # warm pages decoded on the attention path
     warm_promotions: int = 0  # warm pages that turned hot and were re-fetched exact (T2w -> T2)
     warm_drops: int = 0  # warm pages released under pressure (their host copy stays)
+    regraded_pages: int = 0  # warm ladder: held warm pages moved to another rung (encoded again from the host copy)
     warm_bytes_saved: int = 0  # now: bytes the warm pages would take at full precision minus what they take
     prefetched_pages: int = 0  # pages the prefetcher admitted ahead of use (also in fetched_pages, bytes_h2d)
     prefetch_layer_ahead_pages: int = 0  # ... of them issued inside a step for a later layer
@@ -135,7 +136,7 @@ class TierMetrics:
             f"migration: promotions {self.promotions}, demotions {self.demotions}; T1 in {self.hot_key_promotions}, "
             f"out {self.hot_key_demotions}; spilled to disk {self.spilled_pages}",
             f"warm (compressed) sub-tier: compressed {self.compressed_pages}, decoded for attention "
-            f"{self.warm_reads}, promoted {self.warm_promotions}, dropped {self.warm_drops}; saving "
+            f"{self.warm_reads}, promoted {self.warm_promotions}, dropped {self.warm_drops}, regraded {self.regraded_pages}; saving "
             f"{self.warm_bytes_saved / mib:.2f} MiB now",
             f"prefetch: {self.prefetched_pages} pages ({self.prefetch_layer_ahead_pages} a layer ahead), hits "
             f"{self.prefetch_hits}, wasted {self.prefetch_wasted}; precision {self.prefetch_precision:.3f}, recall "

@@ -367,6 +367,20 @@ class WarmPool(TierPool):
         if self.decoded is not None:
             self.decoded[0][layers, slots], self.decoded[1][layers, slots] = decode_pages(data, self.codec, self.shape)
 
+    #: rungs of precision (a :class:`WarmLadder` has several)
+    num_rungs = 1
+
+    def rung_of(self, slots: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(slots)
+
+    def bytes_used(self) -> int:
+        """Bytes of the encoded pages held now, every layer."""
+        return int(self.used().sum()) * self.page_bytes
+
+    def page_bytes_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """Bytes of the page each slot holds."""
+        return torch.full_like(slots, self.page_bytes)
+
     def snapshot(self) -> tuple:
         decoded = None if self.decoded is None else tuple(t.clone() for t in self.decoded)
         return self.data.clone(), self.owner.clone(), decoded
@@ -375,3 +389,109 @@ class WarmPool(TierPool):
         data, owner, decoded = state
         self.data, self.owner = data.clone(), owner.clone()
         self.decoded = None if decoded is None else tuple(t.clone() for t in decoded)
+
+
+class WarmLadder:
+    """The warm sub-tier as a ladder of rungs of falling precision (``warm.ladder``): one
+    :class:`WarmPool` per rung, each with its codec and the pages its share of the warm bytes
+    pays for. Which rung holds a page is the manager's choice (``WarmTier.demote`` grades the
+    warm pages by priority); the ladder stores them. Slots are numbered across the rungs: rung
+    r's slot s is ``offsets[r] + s`` (``offsets``: the capacities of the rungs above), so the
+    page table keeps one warm slot per page and the rung follows from it. The same interface as
+    a single :class:`WarmPool`; ``codec`` is the top rung's."""
+
+    name = "warm"
+
+    def __init__(self, num_layers: int, codecs, shape: tuple[int, int, int], capacities, *,
+                 keep_decoded: bool = False, device: torch.device | str = "cpu") -> None:
+        self.rungs = [WarmPool(num_layers, c, shape, cap, keep_decoded=keep_decoded, device=device)
+                      for c, cap in zip(codecs, capacities)]
+        self.num_layers, self.shape, self.codec = num_layers, shape, self.rungs[0].codec
+        self.num_rungs = len(self.rungs)
+        self.capacities = torch.tensor([r.max_capacity for r in self.rungs])
+        self.offsets = torch.cumsum(self.capacities, 0) - self.capacities
+        self.max_capacity = int(self.capacities.sum())
+        self.device = self.rungs[0].device
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of the top rung (the most a warm page takes)."""
+        return self.rungs[0].page_bytes
+
+    def rung_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """The rung of each (global) slot."""
+        return torch.searchsorted(self.offsets, slots, right=True) - 1
+
+    def _split(self, slots: torch.Tensor):
+        """(rung, its pool, positions of ``slots`` in it, their local slots) for every rung holding some."""
+        rung = self.rung_of(slots)
+        for r, pool in enumerate(self.rungs):
+            idx = (rung == r).nonzero().flatten()
+            if len(idx):
+                yield pool, idx, slots[idx] - int(self.offsets[r])
+
+    def used(self) -> torch.Tensor:
+        return sum(r.used() for r in self.rungs)
+
+    def free(self) -> torch.Tensor:
+        return sum(r.free() for r in self.rungs)
+
+    def free_per_rung(self) -> torch.Tensor:
+        """[rungs, L]: the slots each rung may still take per layer."""
+        return torch.stack([r.free() for r in self.rungs])
+
+    def bytes_used(self) -> int:
+        return sum(int(r.used().sum()) * r.page_bytes for r in self.rungs)
+
+    def page_bytes_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """Bytes of the page each slot holds."""
+        return torch.tensor([r.page_bytes for r in self.rungs])[self.rung_of(slots)]
+
+    @property
+    def owner(self) -> torch.Tensor:
+        """[L, capacity of every rung]: the record each global slot holds (-1 where free)."""
+        out = torch.full((self.num_layers, self.max_capacity), -1, dtype=torch.long)
+        for r, pool in enumerate(self.rungs):
+            off = int(self.offsets[r])
+            out[:, off: off + pool.capacity] = pool.owner
+        return out
+
+    def reserve(self, pages: int) -> None:
+        for r in self.rungs:
+            r.reserve(pages)
+
+    def alloc(self, layers: torch.Tensor, records: torch.Tensor, rungs: torch.Tensor) -> torch.Tensor | None:
+        """Slots for (layer, record) pairs in the given rungs, all or none (None: a rung lacks room)."""
+        slots = torch.empty_like(layers)
+        for r, pool in enumerate(self.rungs):
+            idx = (rungs == r).nonzero().flatten()
+            if len(idx):
+                got = pool.alloc(layers[idx], records[idx])
+                if got is None:
+                    return None
+                slots[idx] = got + int(self.offsets[r])
+        return slots
+
+    def release(self, layers: torch.Tensor, slots: torch.Tensor) -> None:
+        for pool, idx, local in self._split(slots):
+            pool.release(layers[idx], local)
+
+    def read(self, layers: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded K, V [N, KVH, P, D] float32, each page by its rung's codec."""
+        k = torch.empty((len(slots), *self.shape), device=self.device)
+        v = torch.empty_like(k)
+        for pool, idx, local in self._split(slots):
+            ks, vs = pool.read(layers[idx], local)
+            k[idx.to(k.device)], v[idx.to(k.device)] = ks, vs
+        return k, v
+
+    def write(self, layers: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        for pool, idx, local in self._split(slots):
+            pool.write(layers[idx], local, k[idx.to(k.device)], v[idx.to(v.device)])
+
+    def snapshot(self) -> tuple:
+        return tuple(r.snapshot() for r in self.rungs)
+
+    def restore(self, state: tuple) -> None:
+        for r, st in zip(self.rungs, state):
+            r.restore(st)

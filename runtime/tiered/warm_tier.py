@@ -10,6 +10,8 @@ import torch
 
 from tieredkv.runtime.tiered.store import _rank_within_groups
 
+INF = float("inf")
+
 
 class WarmTier:
     def warm_only(self, layer: int | slice, rows) -> torch.Tensor:
@@ -62,11 +64,13 @@ class WarmTier:
         self._write_back(layers, recs)  # the host keeps the exact copy
         need = torch.bincount(layers, minlength=self.L)
         short = (need - self.warm.free()).clamp(min=0)
+        prio = None
         if short.any():
             cand = t.warm_slot >= 0
             if protect is not None:
                 cand &= ~protect
-            drop_layers, drop_recs = self._lowest(cand, self.policy.priority(self._stats()), short)
+            prio = self.policy.priority(self._stats())
+            drop_layers, drop_recs = self._lowest(cand, prio, short)
             self.warm.release(drop_layers, t.warm_slot[drop_layers, drop_recs])
             t.warm_slot[drop_layers, drop_recs] = -1
             self.metrics.warm_drops += len(drop_recs)
@@ -78,15 +82,55 @@ class WarmTier:
         if len(recs) == 0:
             return
         self._unprefetch(layers, recs)
-        k, v = self.device.read(layers, t.device_slot[layers, recs])
-        slots = self.warm.alloc(layers, recs)
-        self.warm.write(layers, slots, k, v)
-        t.warm_slot[layers, recs] = slots
+        if self.warm.num_rungs > 1:
+            self._grade(layers, recs, protect, self.policy.priority(self._stats()) if prio is None else prio)
+        else:
+            k, v = self.device.read(layers, t.device_slot[layers, recs])
+            slots = self.warm.alloc(layers, recs)
+            self.warm.write(layers, slots, k, v)
+            t.warm_slot[layers, recs] = slots
         self.device.release(layers, t.device_slot[layers, recs])
         t.device_slot[layers, recs] = -1
         t.t1[layers, recs] = False
         self.metrics.compressed_pages += len(recs)
         self.metrics.evicted_pages += len(recs)
+
+    def _grade(self, layers: torch.Tensor, recs: torch.Tensor, protect: torch.Tensor | None,
+               prio: torch.Tensor) -> None:
+        """A warm ladder's placement: the pages (``layers``, ``recs``) entering the warm tier (room
+        for them is made) and the pages it holds are ranked per layer by the policy's priority
+        ``prio`` [L, R]; the highest-ranked fill the top rung, the next the rung below, and so on
+        (``protect``-ed pages keep their rung). A page whose rung changes is encoded again from
+        its exact copy — the device page of an entering one, the host / disk copy of a held one
+        (counted as a host-to-device read) — so a page's precision follows its importance."""
+        t, warm = self.table, self.warm
+        held = t.warm_slot >= 0
+        entering = torch.zeros_like(held)
+        entering[layers, recs] = True
+        fixed = held & protect if protect is not None else torch.zeros_like(held)
+        member = (held | entering) & ~fixed
+        cur = torch.full(held.shape, -1, dtype=torch.long)
+        cur[held] = warm.rung_of(t.warm_slot[held])
+        # each rung's room for the ranked pages: its capacity less the protected pages it keeps
+        kept = torch.stack([(fixed & (cur == r)).sum(1) for r in range(warm.num_rungs)])  # [rungs, L]
+        bounds = torch.cumsum(warm.capacities.unsqueeze(1) - kept, 0).T.contiguous()  # [L, rungs]
+        order = prio.float().masked_fill(~member, -INF).argsort(dim=1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1]).expand_as(order))
+        target = torch.searchsorted(bounds, rank, right=True)  # the rung whose room covers the rank
+        ml, mr = (member & (target != cur)).nonzero(as_tuple=True)
+        if not len(ml):
+            return
+        k, v = self.read_pages(ml, mr, self.device.dtype, exact=True)  # before any slot changes
+        old = t.warm_slot[ml, mr]
+        was = old >= 0
+        warm.release(ml[was], old[was])
+        slots = warm.alloc(ml, mr, target[ml, mr])
+        assert slots is not None, "internal: a warm rung lacks the room the ranking gave it"
+        warm.write(ml, slots, k, v)
+        t.warm_slot[ml, mr] = slots
+        moved = int(was.sum())
+        self.metrics.regraded_pages += moved
+        self._count_h2d(moved, int((was & (t.host_slot[ml, mr] < 0)).sum()))
 
     def _promote_warm(self) -> None:
         """Warm pages that turned hot (the promotion thresholds) get a full-precision slot
@@ -98,7 +142,3 @@ class WarmTier:
         room = self._make_room(hot.sum(1), protect=hot)
         layers, recs = self._highest(hot & (t.warm_slot >= 0), t.importance, room)
         self.admit(layers, recs)  # counts the promotions as it releases the warm copies
-
-    @property
-    def warm_page_bytes(self) -> int:
-        return 0 if self.warm is None else self.warm.page_bytes

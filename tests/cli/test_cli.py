@@ -110,10 +110,20 @@ def test_generate_warm_codec_flags(tiny_gguf, capsys):
     assert main(["generate", "--model", tiny_gguf, "--prompt", "the cat sat " * 40, "--max-new-tokens", "2",
                  "--kv-budget", "60%", "--page-size", "8", "--warm-codec", "--json"]) == 0
     d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert d["kv_config"]["warm"] == {"codec": "int4", "fraction": "auto", "exact_reads": "auto"}
+    assert d["kv_config"]["warm"] == {"codec": "int4", "fraction": "auto", "exact_reads": "auto", "ladder": None}
     assert main(["generate", "--model", tiny_gguf, "--prompt", "x", "--max-new-tokens", "1",
                  "--warm-fraction", "auto", "--warm-exact-reads", "2", "--json"]) == 0
-    assert last_json(capsys)["kv_config"]["warm"] == {"codec": "int4", "fraction": "auto", "exact_reads": 2}
+    assert last_json(capsys)["kv_config"]["warm"] == {"codec": "int4", "fraction": "auto", "exact_reads": 2,
+                                                      "ladder": None}
+    # a warm ladder: int4 on top, int2 below with half the warm bytes; its rungs in the budget line
+    assert main(["generate", "--model", tiny_gguf, "--prompt", "the cat sat on the mat " * 30, "--max-new-tokens",
+                 "4", "--kv-budget", "60%", "--page-size", "8", "--warm-fraction", "0.6", "--warm-ladder",
+                 "int2:0.5", "--stats", "--json"]) == 0
+    captured = capsys.readouterr()
+    d = json.loads(captured.out.strip().splitlines()[-1])
+    assert d["kv_config"]["warm"]["ladder"] == "int2:0.5" and "rungs of the ladder" in captured.err
+    assert main(["generate", "--model", tiny_gguf, "--prompt", "x", "--warm-ladder", "int2"]) == 2
+    assert "warm_ladder (warm.ladder): rung 'int2': expected codec:share" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--model", tiny_gguf, "--prompt", "x", "--warm-exact-reads", "lots"])
     assert exc.value.code == 2 and "invalid auto-or-integer value: 'lots'" in capsys.readouterr().err

@@ -229,6 +229,8 @@ def test_in_place_append_check():
 def test_warm_engine_refuses_another_codec(warm_backend):
     with pytest.raises(ConfigError, match="warm_codec 'fp8' .* engine's 'int4'"):
         run(warm_backend, TieredKVConfig(**TIGHT, warm_codec="fp8"), prompts(9))
+    with pytest.raises(ConfigError, match="warm_ladder 'int2:0.5' runs in the PyTorch backend only"):
+        run(warm_backend, TieredKVConfig(**TIGHT, warm_codec="int4", warm_ladder="int2:0.5"), prompts(9))
 
 
 def test_backend_is_a_drop_in_for_the_model(backend, torch_model):

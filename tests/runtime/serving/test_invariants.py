@@ -29,12 +29,14 @@ class ServingMachine(RuleBasedStateMachine):
     @initialize(kind=st.sampled_from(["tiered", "paged"]), device=st.sampled_from([14, 20, 40]),
                 host=st.sampled_from([None, 60]), admission=st.sampled_from(["optimistic", "reserve"]),
                 preemption=st.sampled_from(["demote", "recompute"]), tiers=st.sampled_from(["device", "disk"]),
-                warm=st.sampled_from([None, "int4"]))
+                warm=st.sampled_from([None, "int4", "int4>int2:0.5"]))
     def setup(self, kind, device, host, admission, preemption, tiers, warm):
         if kind == "tiered":
             cfg = TieredKVConfig(page_size=PAGE, sink_tokens=4, recent_tokens=16, staging_pages=2,
                                  device_budget=f"{device * PAGE * TOKEN_BYTES}B", attention_budget=10 ** 6,
-                                 host_budget=None if host is None else host * PAGE, warm_codec=warm)
+                                 host_budget=None if host is None else host * PAGE,
+                                 warm_codec=None if warm is None else warm.partition(">")[0],
+                                 warm_ladder=None if warm is None else warm.partition(">")[2] or None)
             self.cache = TieredKVCache(SPEC, cfg)
         else:  # the paged cache: every page of a request on the device; preemption by recompute
             self.cache = PagedKVCache(SPEC, PagedCacheConfig(page_size=PAGE, max_pages=2 * device, initial_pages=4))
