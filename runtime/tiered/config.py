@@ -318,7 +318,15 @@ class WarmConfig(_Settings):
     many pages x layers of host-to-device bytes per token (counted in ``bytes_h2d``). Chosen
     before the step runs, so an engine's runtime stages the same pages for its graph as the
     PyTorch backend reads. ``"auto"`` (the default): :data:`AUTO_EXACT_READS` in exact mode, 0
-    in masked mode (which fetches nothing during a step)."""
+    in masked mode (which fetches nothing during a step).
+
+    ``ladder``: rungs of lower precision below ``codec`` (``"int2:0.5"``: int2 takes half the warm
+    bytes, ``codec`` the rest; ``"int4:0.4,int2:0.3"`` below an fp8 codec), each warm page's rung
+    chosen by its priority whenever pages enter the warm tier (``WarmTier._grade``; docs/tiers.md).
+    Off by default: the suite did not choose it (docs/benchmarks.md §13, "the warm ladder": it
+    holds more pages in the same bytes, which recovers the 4k needles the single codec loses on
+    one held-out text and lowers the 12.5 % perplexity on average, but raises it at 25 %). The
+    PyTorch backend only (an engine's graph decodes one codec)."""
 
     table: ClassVar[str] = "warm"
     codec: str | None = setting("int4", _choice(_codecs, optional=True, aliases=_codec_aliases), flat="warm_codec")
