@@ -73,7 +73,7 @@ from tieredkv.runtime.tiered.moves import PageMoves
 from tieredkv.runtime.tiered.page_table import HIST_MASK, PageTable, PageTableState
 from tieredkv.runtime.tiered.policies import ReplacementPolicy
 from tieredkv.runtime.tiered.step import StepAccess, StepPlan, StepRecord
-from tieredkv.runtime.tiered.store import DiskPool, TierPool, WarmLadder, WarmPool
+from tieredkv.runtime.tiered.store import DiskPool, TierPool, warm_pool
 from tieredkv.runtime.tiered.transfers import Transfers
 from tieredkv.runtime.tiered.warm_tier import WarmTier
 
@@ -111,15 +111,8 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         self.disk = DiskPool(disk_path, num_layers, kv_heads, self.P, head_dim, dtype) if disk_path else None
         self.warm = None
         if config.warm.codec is not None and not unlimited and budgets.warm_pages > 0:
-            from tieredkv.plugins.codec import CODECS
-
-            shape, dev = (kv_heads, self.P, head_dim), self.device.device
-            if len(budgets.warm_rungs) > 1:
-                self.warm = WarmLadder(num_layers, [CODECS[c] for c, _ in config.warm.rungs()], shape,
-                                       budgets.warm_rungs, keep_decoded=keep_decoded_warm, device=dev)
-            else:
-                self.warm = WarmPool(num_layers, CODECS[config.warm.codec], shape, budgets.warm_pages,
-                                     keep_decoded=keep_decoded_warm, device=dev)
+            self.warm = warm_pool(num_layers, [c for c, _ in config.warm.rungs()], (kv_heads, self.P, head_dim),
+                                  budgets.warm_rungs, keep_decoded=keep_decoded_warm, device=self.device.device)
         self.staging_pages = 0 if unlimited else budgets.staging_pages
         self.transfers = Transfers(device)  # batched host <-> device copies (copy streams on CUDA)
         self.page_bytes = self.device.page_bytes if page_bytes is None else page_bytes

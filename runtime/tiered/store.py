@@ -495,3 +495,15 @@ class WarmLadder:
     def restore(self, state: tuple) -> None:
         for r, st in zip(self.rungs, state):
             r.restore(st)
+
+
+def warm_pool(num_layers: int, codecs: list[str], shape: tuple[int, int, int], capacities: tuple[int, ...], *,
+              keep_decoded: bool = False, device: torch.device | str = "cpu") -> WarmPool | WarmLadder:
+    """The warm sub-tier for codecs (by name, highest precision first) holding ``capacities``
+    pages per layer each: one :class:`WarmPool`, or a :class:`WarmLadder` of them."""
+    from tieredkv.plugins.codec import CODECS
+
+    if len(codecs) == 1:
+        return WarmPool(num_layers, CODECS[codecs[0]], shape, capacities[0], keep_decoded=keep_decoded, device=device)
+    return WarmLadder(num_layers, [CODECS[c] for c in codecs], shape, capacities, keep_decoded=keep_decoded,
+                      device=device)
