@@ -134,13 +134,18 @@ def test_rollback_restores_every_rung():
     mgr.check_invariants()
 
 
-def test_one_rung_is_the_plain_warm_tier():
-    """Without a ladder nothing changes: the same pools, the same logits as before."""
-    plain, lone = cache_with(warm_codec="int4"), cache_with(warm_codec="int4", warm_ladder=None)
-    _, a = run(plain, check=False)
-    _, b = run(lone, check=False)
-    assert type(plain.mgr.warm).__name__ == "WarmPool" and torch.equal(a, b)
-    assert plain.metrics.regraded_pages == 0
+def test_a_ladder_of_one_codec_is_the_single_pool_exactly():
+    """Rungs of the same codec whose capacities add up to the single pool's: the placement moves
+    pages between rungs (re-encoded from their exact copies, deterministically) but the same
+    pages are warm and decode to the same values, so every logit equals the single pool's."""
+    single, ladder = cache_with(warm_codec="int4"), cache_with(warm_codec="int4", warm_ladder="int4:0.5")
+    assert type(single.mgr.warm).__name__ == "WarmPool" and ladder.mgr.warm.num_rungs == 2
+    assert sum(ladder.budgets.warm_rungs) == single.budgets.warm_pages
+    _, a = run(single, check=False)
+    _, b = run(ladder, check=False)
+    assert ladder.metrics.regraded_pages > 0 and single.metrics.regraded_pages == 0
+    assert torch.equal(a, b)
+    assert torch.equal(single.mgr.table.warm_slot >= 0, ladder.mgr.table.warm_slot >= 0)
 
 
 def test_ladder_changes_the_output_but_stays_close():
