@@ -233,7 +233,8 @@ class _Backend(abc.ABC):
                               f"warm_codec = {eng.warm_codec!r} or rebuild with --warm-codec {cfg.warm.codec}")
         if cfg.warm.ladder is not None:
             raise ConfigError(f"warm_ladder {cfg.warm.ladder!r} runs in the PyTorch backend only: the engine "
-                              f"({eng.path}) decodes one warm codec in its graph; use warm_ladder = 'off' with an engine")
+                              f"({eng.path}) decodes one warm codec in its graph; use warm_ladder = 'off' with "
+                              "an engine")
         if not eng.tiered_kv and (cache.budgets.device_pages is not None or cache.budgets.attention_pages is not None):
             raise ConfigError(f"{eng.path} was built without --tiered-kv (plain paged attention): it cannot select "
                               "pages, so it runs only without device or attention budgets")

@@ -149,7 +149,8 @@ class ResolvedBudgets:
             lines.append(f"{b.name} budget {b.given} {share} = {_mib(b.bytes)} -> {pages} of "
                          f"{self.stored or 'stored'} pages ({_mib(self.page_bytes)} each, all layers)")
         if self.warm_pages:
-            rungs = f" (rungs of the ladder: {' + '.join(map(str, self.warm_rungs))})" if len(self.warm_rungs) > 1 else ""
+            rungs = (f" (rungs of the ladder: {' + '.join(map(str, self.warm_rungs))})"
+                     if len(self.warm_rungs) > 1 else "")
             lines.append(f"warm sub-tier: {self.warm_pages} encoded page(s) per layer{rungs} in the bytes of "
                          f"{self.warm_given} full-precision page(s)")
         return "\n".join(lines)

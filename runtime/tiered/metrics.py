@@ -136,7 +136,8 @@ class TierMetrics:
             f"migration: promotions {self.promotions}, demotions {self.demotions}; T1 in {self.hot_key_promotions}, "
             f"out {self.hot_key_demotions}; spilled to disk {self.spilled_pages}",
             f"warm (compressed) sub-tier: compressed {self.compressed_pages}, decoded for attention "
-            f"{self.warm_reads}, promoted {self.warm_promotions}, dropped {self.warm_drops}, regraded {self.regraded_pages}; saving "
+            f"{self.warm_reads}, promoted {self.warm_promotions}, dropped {self.warm_drops}, regraded "
+            f"{self.regraded_pages}; saving "
             f"{self.warm_bytes_saved / mib:.2f} MiB now",
             f"prefetch: {self.prefetched_pages} pages ({self.prefetch_layer_ahead_pages} a layer ahead), hits "
             f"{self.prefetch_hits}, wasted {self.prefetch_wasted}; precision {self.prefetch_precision:.3f}, recall "
