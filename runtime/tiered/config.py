@@ -275,7 +275,7 @@ def _ladder(v: Any) -> str | None:
         return None
     if not isinstance(v, str) or not v.strip():
         raise ValueError(f"must be 'off' or a string like 'int2:0.5' or 'int4:0.4,int2:0.3', got {short(v)}")
-    codecs, rungs = _codecs(), []
+    codecs, rungs, total = _codecs(), [], 0.0
     for item in v.replace("+", ",").split(","):
         name, sep, share = item.strip().partition(":")
         if name not in codecs or not sep:
@@ -288,7 +288,7 @@ def _ladder(v: Any) -> str | None:
         if not 0.0 < value < 1.0:
             raise ValueError(f"rung {short(item.strip())}: the share must be a number in (0, 1), got {short(share)}")
         rungs.append(f"{name}:{share.strip()}")
-    total = sum(float(r.partition(":")[2]) for r in rungs)
+        total += value
     if total >= 1.0:
         raise ValueError(f"the rungs' shares sum to {total:g}; expected less than 1 (the top rung, warm.codec, "
                          "keeps the rest of the warm bytes)")

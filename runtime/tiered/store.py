@@ -370,9 +370,6 @@ class WarmPool(TierPool):
     #: rungs of precision (a :class:`WarmLadder` has several)
     num_rungs = 1
 
-    def rung_of(self, slots: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(slots)
-
     def bytes_used(self) -> int:
         """Bytes of the encoded pages held now, every layer."""
         return int(self.used().sum()) * self.page_bytes
@@ -422,23 +419,23 @@ class WarmLadder:
         """The rung of each (global) slot."""
         return torch.searchsorted(self.offsets, slots, right=True) - 1
 
-    def _split(self, slots: torch.Tensor):
-        """(rung, its pool, positions of ``slots`` in it, their local slots) for every rung holding some."""
-        rung = self.rung_of(slots)
+    def _by_rung(self, rungs: torch.Tensor):
+        """(rung, its pool, the positions in ``rungs`` naming it) for every rung named."""
         for r, pool in enumerate(self.rungs):
-            idx = (rung == r).nonzero().flatten()
+            idx = (rungs == r).nonzero().flatten()
             if len(idx):
-                yield pool, idx, slots[idx] - int(self.offsets[r])
+                yield r, pool, idx
+
+    def _split(self, slots: torch.Tensor):
+        """(pool, positions of ``slots`` in it, their local slots) for every rung holding some."""
+        for r, pool, idx in self._by_rung(self.rung_of(slots)):
+            yield pool, idx, slots[idx] - int(self.offsets[r])
 
     def used(self) -> torch.Tensor:
         return sum(r.used() for r in self.rungs)
 
     def free(self) -> torch.Tensor:
         return sum(r.free() for r in self.rungs)
-
-    def free_per_rung(self) -> torch.Tensor:
-        """[rungs, L]: the slots each rung may still take per layer."""
-        return torch.stack([r.free() for r in self.rungs])
 
     def bytes_used(self) -> int:
         return sum(int(r.used().sum()) * r.page_bytes for r in self.rungs)
@@ -463,13 +460,11 @@ class WarmLadder:
     def alloc(self, layers: torch.Tensor, records: torch.Tensor, rungs: torch.Tensor) -> torch.Tensor | None:
         """Slots for (layer, record) pairs in the given rungs, all or none (None: a rung lacks room)."""
         slots = torch.empty_like(layers)
-        for r, pool in enumerate(self.rungs):
-            idx = (rungs == r).nonzero().flatten()
-            if len(idx):
-                got = pool.alloc(layers[idx], records[idx])
-                if got is None:
-                    return None
-                slots[idx] = got + int(self.offsets[r])
+        for r, pool, idx in self._by_rung(rungs):
+            got = pool.alloc(layers[idx], records[idx])
+            if got is None:
+                return None
+            slots[idx] = got + int(self.offsets[r])
         return slots
 
     def release(self, layers: torch.Tensor, slots: torch.Tensor) -> None:
