@@ -485,8 +485,7 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
             if plan.decode:
                 flag(acc.needed, (rec.selected & valid & ~plan.t0).expand(L, -1, -1))
             return
-        flat = recs.flatten()
-        at = lambda column: column.index_select(1, flat).view(L, *recs.shape)  # noqa: E731 ([L, R] -> [L, B, M])
+        at = lambda column: column.view(-1).index_select(0, rows).view(L, *recs.shape)  # noqa: E731 ([L, R] -> [L, B, M])
         dslot = at(t.device_slot)
         full = dslot >= 0 if rec.full is None else rec.full
         warm = ((dslot < 0) & (at(t.warm_slot) >= 0)) if rec.warm is None else rec.warm
@@ -538,8 +537,8 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         if decode:
             self.step_no += 1
             m.decode_steps += 1
-            needed = access.needed.long()
-            t.last_access[access.needed] = self.step_no
+            needed = access.needed
+            t.last_access.masked_fill_(needed, self.step_no)
             t.frequency += needed
             t.win_access += needed
             m.hits += int(access.needed.sum()) - missed
@@ -548,7 +547,7 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
                 used = access.needed & (t.prefetched | t.staged)  # there because the prefetcher brought them in
                 m.prefetch_hits += int(used.sum())
                 t.prefetched &= ~used
-            t.hist = ((t.hist << 1) & HIST_MASK) | needed
+            t.hist.bitwise_left_shift_(1).bitwise_and_(HIST_MASK).bitwise_or_(needed)  # in place: no [L, R] copies
         else:
             m.prefill_steps += 1
         if prefetch:
@@ -564,12 +563,11 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
             return
         want = (access.missing | (access.needed & t.staged)) & (t.device_slot < 0) & t.alive.unsqueeze(0)
         t.staged.zero_()  # the staging area is the step's: what it held is adopted below or gone
-        if want.any() and self.resident_cap is not None:
-            room = self._make_room(want.sum(1), protect=access.needed | want)
-            layers, recs = self._highest(want, t.importance, room)
-            self.admit(layers, recs, already_streamed=access.streamed[layers, recs])
-        elif want.any():
-            layers, recs = want.nonzero(as_tuple=True)
+        if want.any():
+            need = want.sum(1)
+            room = self._make_room(need, protect=access.needed | want)
+            # room for every page wanted (the common case): no ranking; else the most important first
+            layers, recs = want.nonzero(as_tuple=True) if bool((room >= need).all()) else self._highest(want, t.importance, room)
             self.admit(layers, recs, already_streamed=access.streamed[layers, recs])
         self._finish_step(decode, t_start)
 

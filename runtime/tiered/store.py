@@ -44,6 +44,13 @@ def _take(store: torch.Tensor, layers: torch.Tensor, slots: torch.Tensor) -> tor
     return store.view(-1, *store.shape[2:]).index_select(0, rows)
 
 
+def _put(store: torch.Tensor, layers: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """``store[layers, slots] = values`` as one ``index_copy_`` over the (layer, slot) rows (distinct
+    pairs): the writing twin of :func:`_take`, 2-3x faster than the two-tensor advanced index."""
+    rows = (layers * store.shape[1] + slots).to(store.device)
+    store.view(-1, *store.shape[2:]).index_copy_(0, rows, values.to(store.device, store.dtype))
+
+
 class TierPool:
     """``capacity``: the most pages per layer the pool may hold (None: no limit). Slots are
     allocated as they are needed (doubling, from ``initial``), never more than that: a budget
@@ -156,8 +163,8 @@ class TierPool:
         return _take(self.k, layers, slots), _take(self.v, layers, slots)
 
     def write(self, layers: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layers, slots] = k.to(self.k.device, self.dtype)
-        self.v[layers, slots] = v.to(self.v.device, self.dtype)
+        _put(self.k, layers, slots, k)
+        _put(self.v, layers, slots, v)
 
     def snapshot(self) -> tuple:
         return self.k.clone(), self.v.clone(), self.owner.clone()
@@ -363,9 +370,10 @@ class WarmPool(TierPool):
         from tieredkv.plugins.codec import decode_pages, encode_pages
 
         data = encode_pages(k.to(self.device), v.to(self.device), self.codec)  # encoded where the warm pages live
-        self.data[layers, slots] = data
+        _put(self.data, layers, slots, data)
         if self.decoded is not None:
-            self.decoded[0][layers, slots], self.decoded[1][layers, slots] = decode_pages(data, self.codec, self.shape)
+            for store, values in zip(self.decoded, decode_pages(data, self.codec, self.shape)):
+                _put(store, layers, slots, values)
 
     #: rungs of precision (a :class:`WarmLadder` has several)
     num_rungs = 1
