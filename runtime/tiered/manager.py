@@ -485,7 +485,7 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
             if plan.decode:
                 flag(acc.needed, (rec.selected & valid & ~plan.t0).expand(L, -1, -1))
             return
-        at = lambda column: column.view(-1).index_select(0, rows).view(L, *recs.shape)  # noqa: E731 ([L, R] -> [L, B, M])
+        at = lambda column: column.view(-1).index_select(0, rows).view(L, *recs.shape)  # noqa: E731 [L, R] -> [L, B, M]
         dslot = at(t.device_slot)
         full = dslot >= 0 if rec.full is None else rec.full
         warm = ((dslot < 0) & (at(t.warm_slot) >= 0)) if rec.warm is None else rec.warm
@@ -567,7 +567,8 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
             need = want.sum(1)
             room = self._make_room(need, protect=access.needed | want)
             # room for every page wanted (the common case): no ranking; else the most important first
-            layers, recs = want.nonzero(as_tuple=True) if bool((room >= need).all()) else self._highest(want, t.importance, room)
+            fits = bool((room >= need).all())
+            layers, recs = want.nonzero(as_tuple=True) if fits else self._highest(want, t.importance, room)
             self.admit(layers, recs, already_streamed=access.streamed[layers, recs])
         self._finish_step(decode, t_start)
 
