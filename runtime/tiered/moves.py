@@ -43,9 +43,8 @@ class PageMoves:
     def _drop_copies(self, recs: torch.Tensor) -> None:
         """Pages about to change give up their copies in the warm, host and disk tiers."""
         self._settle()
-        if self.warm is not None and int(self.warm.used().sum()):  # (an empty tier holds no copy to look up)
-            self.metrics.warm_drops += self._drop_warm(torch.arange(self.L).repeat_interleave(len(recs)),
-                                                       recs.repeat(self.L))
+        layers = torch.arange(self.L).repeat_interleave(len(recs))
+        self.metrics.warm_drops += self._drop_warm(layers, recs.repeat(self.L))
         for pool, slots in self._pools()[2:]:  # host, disk
             if pool is None or not int(pool.used().sum()):
                 continue

@@ -37,18 +37,23 @@ def _rank_within_groups(groups: torch.Tensor, num_groups: int) -> tuple[torch.Te
     return rank, counts
 
 
+def _rows(store: torch.Tensor, layers: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pool's [L, C, ...] tensor as [L * C, ...] rows, and the rows of the (layer, slot) pairs."""
+    return store.view(-1, *store.shape[2:]), (layers * store.shape[1] + slots).to(store.device)
+
+
 def _take(store: torch.Tensor, layers: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """``store[layers, slots]`` of a pool's [L, C, ...] tensor as one ``index_select`` over its
     (layer, slot) rows: 2.5x faster on this CPU than the two-tensor advanced index."""
-    rows = (layers * store.shape[1] + slots).to(store.device)
-    return store.view(-1, *store.shape[2:]).index_select(0, rows)
+    flat, rows = _rows(store, layers, slots)
+    return flat.index_select(0, rows)
 
 
 def _put(store: torch.Tensor, layers: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
     """``store[layers, slots] = values`` as one ``index_copy_`` over the (layer, slot) rows (distinct
     pairs): the writing twin of :func:`_take`."""
-    rows = (layers * store.shape[1] + slots).to(store.device)
-    store.view(-1, *store.shape[2:]).index_copy_(0, rows, values.to(store.device, store.dtype))
+    flat, rows = _rows(store, layers, slots)
+    flat.index_copy_(0, rows, values.to(store.device, store.dtype))
 
 
 class TierPool:

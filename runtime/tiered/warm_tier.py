@@ -43,7 +43,7 @@ class WarmTier:
 
     def _drop_warm(self, layers: torch.Tensor, recs: torch.Tensor) -> int:
         """Release the warm copies among pages (``layers``, ``recs``); returns how many there were."""
-        if self.warm is None:
+        if self.warm is None or not int(self.warm.used().sum()):  # (an empty tier holds no copy to look up)
             return 0
         t = self.table
         warm = t.warm_slot[layers, recs] >= 0
