@@ -21,6 +21,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from tieredkv.models.cache import KVCache, KVSpec
+from tieredkv.models.cpu_linear import PackedLinears
 from tieredkv.models.config import LlamaConfig
 
 
@@ -89,15 +90,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, config.num_kv_heads * config.head_dim, bias=False)
         self.v_proj = nn.Linear(h, config.num_kv_heads * config.head_dim, bias=False)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, h, bias=False)
+        self._qkv, self._o = PackedLinears(self.q_proj, self.k_proj, self.v_proj), PackedLinears(self.o_proj)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, step) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self._qkv(x)
+        q = q.reshape(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = cache.attend(step, self.layer_idx, q, k, v)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return self._o(out.transpose(1, 2).reshape(b, t, -1))[0]
 
 
 class MLP(nn.Module):
@@ -106,9 +109,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self._gate_up, self._down = PackedLinears(self.gate_proj, self.up_proj), PackedLinears(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self._gate_up(x)
+        return self._down(F.silu(gate) * up)[0]
 
 
 class Block(nn.Module):
@@ -134,6 +139,7 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self._lm_head = PackedLinears(self.lm_head)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     @property
@@ -161,7 +167,7 @@ class Llama(nn.Module):
         cache.end_step(step)
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.norm(x)).float()
+        return self._lm_head(self.norm(x))[0].float()
 
 
 def init_random_weights(model: Llama, seed: int = 0, std: float = 0.02) -> Llama:
