@@ -33,6 +33,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from tieredkv.models.cpu_attention import decode_attention_op
+
 
 @dataclass(frozen=True)
 class KVSpec:
@@ -79,6 +81,27 @@ def gather_pages(pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     b, m = pages.shape
     rows = (pages.unsqueeze(1) * kvh + torch.arange(kvh, device=pages.device).view(1, kvh, 1)).flatten()
     return pool.reshape(c * kvh, p, d).index_select(0, rows).view(b, kvh, m, p, d)
+
+
+def pool_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, pages: torch.Tensor,
+                          allowed: torch.Tensor) -> torch.Tensor | None:
+    """Decode attention read straight from one layer's page pools, or ``None`` where that op
+    does not apply (then the caller gathers and calls :func:`attention`).
+
+    q [B, H, 1, D]; pool_k / pool_v [C, KVH, P, D]; pages [B, M] slots; allowed [B, M * P] bool
+    (the keys each query may see, in page order). Returns [B, H, 1, D]. The op
+    (:mod:`tieredkv.models.cpu_attention`) runs float32 decode on the CPU without autograd; it
+    agrees with gather + :func:`attention` to float32 rounding and reads each page once instead of
+    copying every page into a batch first."""
+    b, h, t, d = q.shape
+    if (t != 1 or q.device.type != "cpu" or not q.dtype == pool_k.dtype == torch.float32
+            or (torch.is_grad_enabled() and q.requires_grad)):
+        return None
+    op = decode_attention_op()
+    if op is None:
+        return None
+    return op(q.reshape(b, h, d).contiguous(), pool_k.contiguous(), pool_v.contiguous(), pages.long().contiguous(),
+              allowed.contiguous(), d ** -0.5).view(b, h, 1, d)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

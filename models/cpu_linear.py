@@ -4,10 +4,11 @@ torch's ``F.linear`` runs float32 on the CPU through MKL's sgemm, which re-reads
 its row-major layout on every call. oneDNN's linear with the weight packed once into its
 blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the path
 torch's Inductor takes for a frozen CPU graph, and the one vLLM's CPU build takes with its own
-oneDNN binding) is 1.3-2.5x faster per projection at decode and 2.5-3.7x for the output
-projection over a 49k vocabulary on this project's CPU (docs/benchmarks.md §12, "Eighth
-pass"). Projections that read the same input run as one GEMM over their concatenated weights
-(q / k / v, gate / up): one call instead of three, and bit-identical to the separate calls.
+oneDNN binding) is up to 1.9x faster per projection at decode and 1.8-3x for the output
+projection over a 49k vocabulary on this project's CPU, and the paged cache decodes 1.36-1.54x
+faster with it and ``cpu_attention`` (docs/benchmarks.md §12, "Eighth pass"). Projections that
+read the same input run as one GEMM over their concatenated weights (q / k / v, gate / up): one
+call where there were three, bit-identical to the separate calls.
 
 The price is a second copy of the weights (the packed one). ``set_cpu_linear("torch")`` or
 ``TIEREDKV_CPU_LINEAR=torch`` turns it off; other devices and dtypes, autograd and tracing

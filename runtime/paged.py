@@ -29,7 +29,8 @@ from typing import Sequence
 import torch
 
 from tieredkv.errors import ConfigError, KVCacheFullError, short
-from tieredkv.models.cache import KVCache, KVSpec, KVUsage, Step, attention, causal_mask, gather_pages
+from tieredkv.models.cache import (KVCache, KVSpec, KVUsage, Step, attention, causal_mask, gather_pages,
+                                   pool_decode_attention)
 
 
 @dataclass(frozen=True)
@@ -250,6 +251,10 @@ class PagedKVCache(KVCache):
     def attend(self, step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.write(step, layer, k, v)
         s = self._step
+        if s.allowed is not None:
+            out = pool_decode_attention(q, self.pool.k[layer], self.pool.v[layer], s.read_pages, s.allowed)
+            if out is not None:
+                return out
         keys, values = _gather(self.pool.k[layer], s.read_pages), _gather(self.pool.v[layer], s.read_pages)
         keys, values = keys[:, :, : s.max_len], values[:, :, : s.max_len]
         return attention(q, keys, values, s.mask)
@@ -355,6 +360,7 @@ class _PagedStep:
     read_pages: torch.Tensor  # [B, max pages]
     max_len: int
     mask: torch.Tensor  # [B, 1, T, max_len]
+    allowed: torch.Tensor | None  # a decode step's keys by page slot: [B, max pages * P], True below each length
 
     @classmethod
     def of(cls, cache: PagedKVCache, step: Step) -> "_PagedStep":
@@ -364,8 +370,12 @@ class _PagedStep:
         width = max(len(t) for t in tables)
         pages = torch.tensor([t + t[-1:] * (width - len(t)) for t in tables])
         max_len = max(step.past) + step.num_new
+        past = torch.tensor(step.past, device=dev)
+        allowed = None
+        if step.num_new == 1:
+            allowed = torch.arange(width * P, device=dev).view(1, -1) <= past.view(-1, 1)
         return cls(pages.gather(1, pos // P).flatten().to(dev), (pos % P).flatten().to(dev), pages.to(dev), max_len,
-                   causal_mask(torch.tensor(step.past, device=dev), step.num_new, max_len))
+                   causal_mask(past, step.num_new, max_len), allowed)
 
 
 def _gather(pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:

