@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import time
 import warnings
 from pathlib import Path
 
@@ -79,6 +80,19 @@ def decode_attention_op():
             warnings.warn(f"tieredkv: the CPU paged-attention op could not be built ({_STATE['error'][:300]}); "
                           "decode attends through torch's gather + matmul instead", RuntimeWarning, stacklevel=2)
     return _STATE["op"]
+
+
+def prepare(device: torch.device | str, dtype: torch.dtype, log=None) -> None:
+    """Build (or load) the op before the first decode step where a model will use it (float32
+    on the CPU), so the build's time is not a decode step's; says so through ``log`` when that
+    took a while (the first time on a machine: a compile)."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32 or _STATE["tried"]:
+        return
+    start = time.perf_counter()
+    built = decode_attention_op() is not None
+    if log is not None and time.perf_counter() - start > 2:
+        log(f"CPU decode-attention op {'built' if built else 'not built'} in {time.perf_counter() - start:.1f}s "
+            "(once per machine; TIEREDKV_CPU_ATTENTION=torch skips it)")
 
 
 def cpu_attention_status() -> dict:

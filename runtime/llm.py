@@ -8,6 +8,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tieredkv.errors import ConfigError, PromptError, short
+from tieredkv.models import cpu_attention
 from tieredkv.models.cache import KVCache
 from tieredkv.models.hub import resolve_model
 from tieredkv.models.llama import Llama
@@ -89,6 +90,7 @@ class LLM:
         self._init(loaded.model.to(target), loaded.tokenizer, cache, kv, prefill_chunk, max_model_len,
                    prefix_caching, prefix_cache_tokens)
         self.source = path
+        cpu_attention.prepare(target, loaded.model.dtype, log=log)  # its build is no decode step's time
 
     @classmethod
     def from_model(cls, model: Llama, tokenizer: Tokenizer | None = None, *, cache: PagedCacheConfig | None = None,

@@ -73,6 +73,9 @@ def _load_model(args: argparse.Namespace):
         loaded.model.to(device)
     _log(f"loaded {loaded.config.name} from {path} ({loaded.format}) on {device} in "
          f"{time.perf_counter() - t_start:.1f}s")
+    from tieredkv.models import cpu_attention
+
+    cpu_attention.prepare(device, loaded.model.dtype, log=_log)
     return loaded
 
 

@@ -123,3 +123,14 @@ def test_paged_cache_decode_against_the_contiguous_oracle(backend):
             tokens = la.argmax(-1)
     finally:
         set_cpu_attention("paged")
+
+
+def test_prepare_builds_only_for_float32_on_the_cpu():
+    from tieredkv.models import cpu_attention
+
+    said = []
+    cpu_attention.prepare("cpu", torch.float32, log=said.append)  # built already, or built now
+    assert cpu_attention_status()["built"] == (OP is not None)
+    cpu_attention.prepare("cpu", torch.float16, log=said.append)  # nothing to build: no word
+    cpu_attention.prepare("meta", torch.float32, log=said.append)
+    assert all("decode-attention op" in line for line in said)
