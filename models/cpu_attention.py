@@ -4,9 +4,10 @@ The paged cache's torch path gathers every page of every sequence into a contigu
 [B, KVH, S, D] batch and then attends over the copy: per layer the pages are read, written and
 read again. ``models/csrc/paged_attention.cpp`` reads each allowed key and value row once from
 the pool, by page table, in torch's thread pool (one task per sequence and kv head). It is built
-with ``torch.utils.cpp_extension`` the first time a decode step needs it (a C++ compiler and
-ninja, about a minute once; the build is kept in torch's extension cache, one per CPU
-feature set since it is compiled for the CPU it runs on).
+with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, about 30 s the first time on a
+machine; the build is kept in torch's extension cache, one per CPU feature set since it is
+compiled for the CPU it runs on) by :func:`prepare` when a float32 model is loaded on the CPU,
+else the first time a decode step needs it.
 
 :func:`decode_attention_op` returns the op, or ``None`` — then callers take the torch path —
 when it is switched off (``TIEREDKV_CPU_ATTENTION=torch`` or :func:`set_cpu_attention`) or
