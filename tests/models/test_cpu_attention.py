@@ -4,12 +4,9 @@ replaces: the pages gathered, then ``models.cache.attention``."""
 import pytest
 import torch
 
-from helpers import tiny_model
 from tieredkv.errors import ConfigError
-from tieredkv.models.cache import ContiguousKVCache, attention, gather_pages, pool_decode_attention
+from tieredkv.models.cache import attention, gather_pages, pool_decode_attention
 from tieredkv.models.cpu_attention import cpu_attention_status, decode_attention_op, set_cpu_attention
-from tieredkv.models.llama import decode_one_token, prefill
-from tieredkv.runtime.paged import PagedCacheConfig, PagedKVCache
 
 OP = decode_attention_op()
 needs_op = pytest.mark.skipif(OP is None, reason=f"the op could not be built here: {cpu_attention_status()['error']}")
@@ -93,36 +90,6 @@ def test_where_the_op_does_not_apply_the_caller_gets_none():
         set_cpu_attention("paged")
     with pytest.raises(ConfigError, match="paged"):
         set_cpu_attention("flash")
-
-
-@needs_op
-@pytest.mark.parametrize("backend", ["paged", "torch"])
-def test_paged_cache_decode_against_the_contiguous_oracle(backend):
-    """Batched decode through the paged cache, with the op and on the torch path: within float32
-    rounding of the contiguous cache, the same argmax."""
-    model = tiny_model(seed=8)
-    lens = [5, 33, 17, 1]
-    try:
-        set_cpu_attention(backend)
-        paged, contig = PagedKVCache(model.kv_spec(), PagedCacheConfig(page_size=4)), ContiguousKVCache(model.kv_spec())
-        gen = torch.Generator().manual_seed(1)
-        ps, cs = [], []
-        for n in lens:
-            prompt = torch.randint(0, 512, (n,), generator=gen)
-            ps.append(paged.add_sequence())
-            cs.append(contig.add_sequence())
-            prefill(model, paged, ps[-1], prompt)
-            prefill(model, contig, cs[-1], prompt)
-        tokens = torch.tensor([3, 4, 5, 6])
-        for step in range(6):
-            pos = torch.tensor(lens) + step
-            la = decode_one_token(model, paged, ps, tokens, pos)
-            lb = decode_one_token(model, contig, cs, tokens, pos)
-            assert (la - lb).abs().max().item() <= 1e-5
-            assert torch.equal(la.argmax(-1), lb.argmax(-1))
-            tokens = la.argmax(-1)
-    finally:
-        set_cpu_attention("paged")
 
 
 def test_prepare_builds_only_for_float32_on_the_cpu():

@@ -66,7 +66,18 @@ def test_single_sequence_bit_exact(page_size, backend):
     check_invariants(paged)
 
 
-def test_batched_decode_matches_contiguous():
+@pytest.mark.parametrize("backend", ["paged", "torch"])
+def test_batched_decode_matches_contiguous(backend):
+    """Batched decode, with the CPU op and on torch's path: within float32 rounding of the
+    contiguous oracle, the same argmax."""
+    set_cpu_attention(backend)
+    try:
+        _batched_decode_matches_contiguous()
+    finally:
+        set_cpu_attention("paged")
+
+
+def _batched_decode_matches_contiguous():
     model = tiny_model(seed=8)
     lens = [5, 33, 17, 1]
     paged = PagedKVCache(model.kv_spec(), PagedCacheConfig(page_size=4))
