@@ -145,7 +145,6 @@ template <int G, int D>
 void values_fixed(const Task& t) {
   float acc[G][D] = {};
   for (int64_t s = 0; s < t.S; ++s) {
-    prefetch_row(t, t.v, s + kAhead);
     if (!t.allowed[s]) continue;
     const float* vr = t.key(t.v, s);
     for (int g = 0; g < G; ++g) {
