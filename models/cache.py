@@ -83,6 +83,13 @@ def gather_pages(pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     return pool.reshape(c * kvh, p, d).index_select(0, rows).view(b, kvh, m, p, d)
 
 
+def decode_op_applies(q: torch.Tensor, pool_k: torch.Tensor) -> bool:
+    """Whether the CPU decode-attention ops take q [B, H, T, D] over a pool of ``pool_k``'s
+    dtype: one query per sequence, float32 on the CPU, no autograd."""
+    return (q.shape[2] == 1 and q.device.type == "cpu" and q.dtype == pool_k.dtype == torch.float32
+            and not (torch.is_grad_enabled() and q.requires_grad))
+
+
 def pool_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, pages: torch.Tensor,
                           allowed: torch.Tensor) -> torch.Tensor | None:
     """Decode attention read straight from one layer's page pools, or ``None`` where that op
@@ -94,14 +101,84 @@ def pool_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.T
     agrees with gather + :func:`attention` to float32 rounding and reads each page once instead of
     copying every page into a batch first."""
     b, h, t, d = q.shape
-    if (t != 1 or q.device.type != "cpu" or not q.dtype == pool_k.dtype == torch.float32
-            or (torch.is_grad_enabled() and q.requires_grad)):
+    if not decode_op_applies(q, pool_k):
         return None
     op = decode_attention_op()
     if op is None:
         return None
     return op(q.reshape(b, h, d).contiguous(), pool_k.contiguous(), pool_v.contiguous(), pages.long().contiguous(),
               allowed.contiguous(), d ** -0.5).view(b, h, 1, d)
+
+
+#: where a page of :func:`tiered_decode_attention` lives: the device pool, the warm pool
+#: (encoded), the extra pages (read from the host, disk, or an exact copy)
+POOL, WARM, EXTRA = 0, 1, 2
+
+
+def warm_codec_args(spec, kv_heads: int, page_size: int, head_dim: int) -> list[int] | None:
+    """The warm-pool layout :func:`tiered_decode_attention` reads ([bits, value group, the byte
+    offsets of the key codes, scales, zero points, the value codes, scales, zero points]), or
+    ``None`` for a codec it cannot read encoded (only asymmetric 2-, 4- and 8-bit integer codes
+    with per-channel keys and per-token values: the default int4 and int2, int4-g16)."""
+    import math
+
+    from tieredkv.plugins.codec import page_layout
+
+    if (spec.base != "int" or not spec.asym or spec.bits not in (2, 4, 8) or spec.residual_bits or spec.keyframe
+            or spec.key_axis != "channel" or spec.value_axis != "token"):
+        return None
+    lay = page_layout(spec, kv_heads, page_size, head_dim)
+    return [spec.bits, math.gcd(spec.group, head_dim)] + [lay[f"{r}.{n}"]["offset"] for r in "kv"
+                                                          for n in ("codes", "scale", "zero")]
+
+
+def tiered_in_place(mgr, device: torch.device) -> list[int] | tuple | None:
+    """Whether the tiered cache's decode layers (``mgr``: its ``TierManager``) can attend through
+    :func:`tiered_decode_attention`: ``None`` where not (another device or dtype, the op not
+    built), else the warm pool's layout for the op to read it encoded (a single-codec warm pool
+    without decoded copies, in a codec :func:`warm_codec_args` reads), or ``()`` where the warm
+    pages are read by the manager instead."""
+    from tieredkv.models.cpu_attention import tiered_attention_op
+
+    if torch.device(device).type != "cpu" or mgr.device.k.dtype != torch.float32 or tiered_attention_op() is None:
+        return None
+    warm = mgr.warm
+    if warm is None or getattr(warm, "decoded", True) is not None or not hasattr(warm, "codec"):
+        return ()
+    return warm_codec_args(warm.codec, *warm.shape) or ()
+
+
+def tiered_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, kind: torch.Tensor,
+                            slot: torch.Tensor, allowed: torch.Tensor, *, warm: torch.Tensor | None = None,
+                            warm_codec: list[int] | None = None, extra_k: torch.Tensor | None = None,
+                            extra_v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Decode attention over pages in three places, with each page's attention mass, or
+    ``None`` where the op does not apply (as :func:`pool_decode_attention`; then the caller
+    gathers the pages and attends over the copy).
+
+    q [B, H, 1, D]; kind [B, M] (:data:`POOL`, :data:`WARM`, :data:`EXTRA`) and slot [B, M]:
+    where each listed page is — a slot of pool_k / pool_v [C, KVH, P, D], of ``warm`` [Cw, NB]
+    (one layer's encoded pages, in the layout ``warm_codec`` from :func:`warm_codec_args`), or an
+    index of extra_k / extra_v [X, KVH, P, D]; allowed [B, 1 or KVH, M * P] bool (the keys each
+    query, or each kv head's queries, may see; a page none may see is not read). Returns
+    (out [B, H, 1, D], mass [B, M]: each page's attention probability, mean over the query heads)."""
+    b, h, t, d = q.shape
+    if not decode_op_applies(q, pool_k):
+        return None
+    from tieredkv.models.cpu_attention import tiered_attention_op
+
+    op = tiered_attention_op()
+    if op is None or (warm is not None and warm_codec is None):
+        return None
+    kvh, p = pool_k.shape[1], pool_k.shape[2]
+    if extra_k is None:
+        extra_k = extra_v = pool_k.new_zeros(0, kvh, p, d)
+    if warm is None:
+        warm, warm_codec = torch.zeros(0, 0, dtype=torch.uint8), [0] * 8
+    out, mass = op(q.reshape(b, h, d).contiguous(), pool_k.contiguous(), pool_v.contiguous(), extra_k.contiguous(),
+                   extra_v.contiguous(), warm.contiguous(), warm_codec, kind.to(torch.int8).contiguous(),
+                   slot.long().contiguous(), allowed.contiguous(), d ** -0.5)
+    return out.view(b, h, 1, d), mass.sum(1) / h
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -83,6 +83,13 @@ def decode_attention_op():
     return _STATE["op"]
 
 
+def tiered_attention_op():
+    """The tiered cache's variant of the op (pages from the pool, the warm pool read encoded, and
+    pages read from the host; per-page attention mass out), or ``None`` as
+    :func:`decode_attention_op`."""
+    return None if decode_attention_op() is None else torch.ops.tieredkv_cpu.tiered_decode_attention
+
+
 def prepare(device: torch.device | str, dtype: torch.dtype, log=None) -> None:
     """Build (or load) the op before the first decode step where a model will use it (float32
     on the CPU), so the build's time is not a decode step's; says so through ``log`` when that

@@ -26,6 +26,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -34,27 +36,68 @@ namespace {
 // exponential 0 next to any real logit
 constexpr float kMasked = -1e30f;
 
-// One (sequence, kv head): its G query rows, its pages, and where its G output rows go.
+float bf16(const uint8_t* p, int64_t i) {
+  uint16_t b;
+  std::memcpy(&b, p + 2 * i, 2);
+  return static_cast<float>(c10::BFloat16(b, c10::BFloat16::from_bits()));
+}
+float fp16(const uint8_t* p, int64_t i) {
+  uint16_t b;
+  std::memcpy(&b, p + 2 * i, 2);
+  return static_cast<float>(c10::Half(b, c10::Half::from_bits()));
+}
+
+// The warm pool's codec as the op reads it (plugins/codec.py, docs/codec.md): asymmetric
+// integer codes of `bits` bits, bit-packed little-endian; keys grouped per channel (one
+// bfloat16 scale and float16 zero point per kv head and channel, over the page's P tokens,
+// codes in [KVH, D, P] order), values per token in groups of `vgroup` channels (codes in
+// [KVH, P, D] order); x = code * scale + zero in float32.
+struct WarmCodec {
+  int64_t bits, vgroup, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero;
+  int64_t code(const uint8_t* page, int64_t section, int64_t i) const {
+    const int64_t per = 8 / bits;
+    return (page[section + i / per] >> ((i % per) * bits)) & ((1 << bits) - 1);
+  }
+  // kv head h of an encoded page -> its keys and values [P, D] float32
+  void decode(const uint8_t* page, int64_t h, int64_t P, int64_t D, float* k, float* v) const {
+    for (int64_t d = 0; d < D; ++d) {
+      const float s = bf16(page + k_scale, h * D + d), z = fp16(page + k_zero, h * D + d);
+      for (int64_t p = 0; p < P; ++p) k[p * D + d] = code(page, k_codes, (h * D + d) * P + p) * s + z;
+    }
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t d0 = 0; d0 < D; d0 += vgroup) {
+        const int64_t grp = ((h * P + p) * D + d0) / vgroup;
+        const float s = bf16(page + v_scale, grp), z = fp16(page + v_zero, grp);
+        for (int64_t d = d0; d < d0 + vgroup; ++d) v[p * D + d] = code(page, v_codes, (h * P + p) * D + d) * s + z;
+      }
+  }
+};
+
+// One (sequence, kv head): its G query rows, where each of its pages' rows for this kv head
+// start (pool slot, decoded warm page or extra page: the passes below do not care which), and
+// where its G output rows go.
 struct Task {
   const float* q;        // [G, D]
-  const float* k;        // the pool [C, KVH, P, D]
-  const float* v;
-  const int64_t* pages;  // [M]
+  const float* const* kp;  // [M]: page m's [P, D] key rows for this kv head
+  const float* const* vp;  // [M]: its value rows
   const bool* allowed;   // [M * P]
   float* out;            // [G, D]
   float* probs;          // scratch [G, S]
-  int64_t M, P, KVH, h, G, D, S;
+  int64_t M, P, G, D, S;
   float scale;
-  const float* key(const float* pool, int64_t s) const {
-    return pool + ((pages[s / P] * KVH + h) * P + s % P) * D;
-  }
+  // encoded warm pages read in place (see warm_in_place): page m's bytes, or null where page m
+  // is in kp / vp; null altogether otherwise
+  const uint8_t* const* wp;
+  const WarmCodec* codec;
+  int64_t h;  // the kv head
+  const float* key(const float* const* pages, int64_t s) const { return pages[s / P] + (s % P) * D; }
 };
 
 // Ask for the row of key s + ahead (the pages are scattered 4 KB blocks the hardware
 // prefetcher does not follow from one to the next).
-inline void prefetch_row(const Task& t, const float* pool, int64_t s) {
+inline void prefetch_row(const Task& t, const float* const* pages, int64_t s) {
   if (s >= t.S) return;
-  const char* r = reinterpret_cast<const char*>(t.key(pool, s));
+  const char* r = reinterpret_cast<const char*>(t.key(pages, s));
   for (int64_t b = 0; b < t.D * 4; b += 64) __builtin_prefetch(r + b);
 }
 constexpr int64_t kAhead = 48;  // keys
@@ -62,7 +105,11 @@ constexpr int64_t kAhead = 48;  // keys
 // ---- generic: any G, D; loops the compiler vectorizes -------------------------------------
 void logits_generic(const Task& t) {
   for (int64_t s = 0; s < t.S; ++s) {
-    const float* kr = t.key(t.k, s);
+    if (!t.allowed[s]) {
+      for (int64_t g = 0; g < t.G; ++g) t.probs[g * t.S + s] = kMasked;
+      continue;
+    }
+    const float* kr = t.key(t.kp, s);
     for (int64_t g = 0; g < t.G; ++g) {
       float acc[16] = {0.f};
       int64_t i = 0;
@@ -71,7 +118,7 @@ void logits_generic(const Task& t) {
       float dot = 0.f;
       for (int l = 0; l < 16; ++l) dot += acc[l];
       for (; i < t.D; ++i) dot += t.q[g * t.D + i] * kr[i];
-      t.probs[g * t.S + s] = t.allowed[s] ? dot * t.scale : kMasked;
+      t.probs[g * t.S + s] = dot * t.scale;
     }
   }
 }
@@ -80,7 +127,7 @@ void values_generic(const Task& t) {
   std::fill(t.out, t.out + t.G * t.D, 0.f);
   for (int64_t s = 0; s < t.S; ++s) {
     if (!t.allowed[s]) continue;
-    const float* vr = t.key(t.v, s);
+    const float* vr = t.key(t.vp, s);
     for (int64_t g = 0; g < t.G; ++g) {
       const float w = t.probs[g * t.S + s];
       float* o = t.out + g * t.D;
@@ -109,6 +156,43 @@ inline __m512 sum16(const __m512* v) {
                        _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// 16 4-bit codes (8 bytes, value i in bits [4 (i % 2), 4 (i % 2) + 4) of byte i / 2) as floats
+inline __m512 nibbles16(const uint8_t* p) {
+  const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(x, m), hi = _mm_and_si128(_mm_srli_epi16(x, 4), m);
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+}
+
+// The logits of a warm page's 16 keys (P = 16, 4-bit codes) read in place: its key codes are
+// per channel, so channel d of the 16 keys is one vector, code * scale + zero, and each query
+// head's logits are a sum over d of q[d] times it (no reduction across lanes).
+template <int G, int D>
+void warm_logits(const Task& t, const uint8_t* page, __m512* acc) {
+  const WarmCodec& c = *t.codec;
+  for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const int64_t row = t.h * D + d;
+    const __m512 k = _mm512_fmadd_ps(nibbles16(page + c.k_codes + row * 8), _mm512_set1_ps(bf16(page + c.k_scale, row)),
+                                     _mm512_set1_ps(fp16(page + c.k_zero, row)));
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(t.q[g * D + d]), k, acc[g]);
+  }
+}
+
+// Row p of a warm page's values (4-bit codes, per-token groups of a multiple of 16 channels) as
+// D floats.
+template <int D>
+void warm_value_row(const Task& t, const uint8_t* page, int64_t p, float* out) {
+  const WarmCodec& c = *t.codec;
+  const int64_t first = (t.h * t.P + p) * D;  // the row's first value in the page's [KVH, P, D] order
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    const int64_t grp = (first + d0) / c.vgroup;
+    _mm512_storeu_ps(out + d0, _mm512_fmadd_ps(nibbles16(page + c.v_codes + (first + d0) / 2),
+                                               _mm512_set1_ps(bf16(page + c.v_scale, grp)),
+                                               _mm512_set1_ps(fp16(page + c.v_zero, grp))));
+  }
+}
+
 template <int G, int D>
 void logits_fixed(const Task& t) {
   constexpr int C = D / 16;
@@ -118,11 +202,25 @@ void logits_fixed(const Task& t) {
   alignas(64) float tmp[16];
   for (int64_t s0 = 0; s0 < t.S; s0 += 16) {
     const float* rows[16];
-    for (int j = 0; j < 16; ++j) rows[j] = t.key(t.k, std::min<int64_t>(s0 + kPerm[j], t.S - 1));
+    for (int j = 0; j < 16; ++j) rows[j] = t.key(t.kp, std::min<int64_t>(s0 + kPerm[j], t.S - 1));
     const int64_t n = std::min<int64_t>(16, t.S - s0);
+    if (std::none_of(t.allowed + s0, t.allowed + s0 + n, [](bool a) { return a; })) {
+      for (int g = 0; g < G; ++g) std::fill(t.probs + g * t.S + s0, t.probs + g * t.S + s0 + n, kMasked);
+      continue;  // a page not attended (not selected): not read
+    }
+    if (t.wp && t.wp[s0 / 16]) {  // P = 16: the block is one page, held encoded
+      __m512 acc[G];
+      warm_logits<G, D>(t, t.wp[s0 / 16], acc);
+      for (int g = 0; g < G; ++g) {
+        _mm512_store_ps(tmp, acc[g]);
+        float* pr = t.probs + g * t.S + s0;
+        for (int64_t i = 0; i < n; ++i) pr[i] = t.allowed[s0 + i] ? tmp[i] * t.scale : kMasked;
+      }
+      continue;
+    }
     for (int j = 0; j < 16; ++j) {  // the values too: the value pass then reads them from cache
-      prefetch_row(t, t.k, s0 + kAhead + j);
-      prefetch_row(t, t.v, s0 + kAhead + j);
+      prefetch_row(t, t.kp, s0 + kAhead + j);
+      prefetch_row(t, t.vp, s0 + kAhead + j);
     }
     for (int g = 0; g < G; ++g) {
       __m512 acc[16];
@@ -144,9 +242,16 @@ void logits_fixed(const Task& t) { logits_generic(t); }
 template <int G, int D>
 void values_fixed(const Task& t) {
   float acc[G][D] = {};
+  alignas(64) float row[D];
   for (int64_t s = 0; s < t.S; ++s) {
     if (!t.allowed[s]) continue;
-    const float* vr = t.key(t.v, s);
+    const float* vr = t.key(t.vp, s);
+#if defined(__AVX512F__)
+    if (t.wp && t.wp[s / t.P]) {
+      warm_value_row<D>(t, t.wp[s / t.P], s % t.P, row);
+      vr = row;
+    }
+#endif
     for (int g = 0; g < G; ++g) {
       const float w = t.probs[g * t.S + s];
       for (int d = 0; d < D; ++d) acc[g][d] += w * vr[d];
@@ -211,6 +316,107 @@ void check(const at::Tensor& t, const char* name, int64_t dims, at::ScalarType d
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+// Where page m of sequence b lives: 0 the pool (by slot), 1 the warm pool (encoded, by slot),
+// 2 the extra pages (by index: pages read from the host, disk or an exact copy).
+enum Kind : int8_t { kPool = 0, kWarm = 1, kExtra = 2 };
+
+struct Sources {
+  const float *pool_k, *pool_v, *extra_k, *extra_v;
+  const uint8_t* warm;
+  int64_t warm_bytes;  // one encoded page
+  WarmCodec codec;
+  const int8_t* kind;   // [B, M]
+  const int64_t* slot;  // [B, M]
+};
+
+// Whether the kernel reads warm pages where they are (the specialized kernels with AVX-512, 16
+// tokens per page, 4-bit codes, value groups of a multiple of 16 channels) instead of from a
+// decoded copy in the task's scratch.
+bool warm_in_place(const WarmCodec& c, bool fixed, int64_t P, int64_t D) {
+#if defined(__AVX512F__)
+  return fixed && P == 16 && c.bits == 4 && c.vgroup % 16 == 0 && D % 16 == 0;
+#else
+  return false;
+#endif
+}
+
+// Every (sequence, kv head) task: the page pointers resolved (warm pages decoded into the task's
+// scratch), the kernel run, and the attention mass per page summed over the task's query heads
+// into mass [B, KVH, M] when asked for.
+void run_tasks(const float* q, float* out, float* mass, const Sources& src, const bool* allowed, int64_t allowed_heads,
+               int64_t B, int64_t H, int64_t KVH, int64_t M, int64_t P, int64_t D, float scale) {
+  const int64_t G = H / KVH, S = M * P;
+  const Kernel kernel = pick(G, D);
+  const bool in_place = warm_in_place(src.codec, kernel != run_generic, P, D);
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> probs(G * S), zeros(P * D, 0.f), decoded;
+    std::vector<const float*> kp(M), vp(M);
+    std::vector<const uint8_t*> wp(in_place ? M : 0, nullptr);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / KVH, h = task % KVH;
+      const bool* al = allowed + (b * allowed_heads + (allowed_heads == 1 ? 0 : h)) * S;
+      float* o = out + (b * H + h * G) * D;
+      if (std::none_of(al, al + S, [](bool a) { return a; })) {
+        std::fill(o, o + G * D, 0.f);
+        if (mass) std::fill(mass + task * M, mass + (task + 1) * M, 0.f);
+        continue;
+      }
+      int64_t n_warm = 0;
+      for (int64_t m = 0; m < M; ++m) n_warm += !in_place && src.kind[b * M + m] == kWarm;
+      if (static_cast<int64_t>(decoded.size()) < 2 * n_warm * P * D) decoded.resize(2 * n_warm * P * D);
+      int64_t w = 0;
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t slot = src.slot[b * M + m];
+        if (std::none_of(al + m * P, al + (m + 1) * P, [](bool a) { return a; })) {
+          kp[m] = vp[m] = zeros.data();  // not attended: never read
+          continue;
+        }
+        if (in_place) wp[m] = nullptr;
+        switch (src.kind[b * M + m]) {
+          case kPool:
+            kp[m] = src.pool_k + (slot * KVH + h) * P * D;
+            vp[m] = src.pool_v + (slot * KVH + h) * P * D;
+            break;
+          case kExtra:
+            kp[m] = src.extra_k + (slot * KVH + h) * P * D;
+            vp[m] = src.extra_v + (slot * KVH + h) * P * D;
+            break;
+          default: {
+            if (in_place) {  // read by the kernel itself
+              kp[m] = vp[m] = zeros.data();
+              wp[m] = src.warm + slot * src.warm_bytes;
+              break;
+            }
+            float* k = decoded.data() + 2 * w * P * D;
+            src.codec.decode(src.warm + slot * src.warm_bytes, h, P, D, k, k + P * D);
+            kp[m] = k;
+            vp[m] = k + P * D;
+            ++w;
+          }
+        }
+      }
+      Task t{q + (b * H + h * G) * D, kp.data(), vp.data(), al, o, probs.data(), M, P, G, D, S, scale,
+             in_place ? wp.data() : nullptr, &src.codec, h};
+      kernel(t);
+      if (mass) {
+        float* ms = mass + task * M;
+        for (int64_t m = 0; m < M; ++m) {
+          float acc = 0.f;
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t p = 0; p < P; ++p) acc += t.probs[g * S + m * P + p];
+          ms[m] = acc;
+        }
+      }
+    }
+  });
+}
+
+void check_pages(const at::Tensor& slots, int64_t count, const char* what) {
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots.numel(); ++i)
+    TORCH_CHECK(s[i] >= 0 && s[i] < count, "page slot ", s[i], " outside the ", what, " (", count, " pages)");
+}
+
 }  // namespace
 
 // q [B, H, D]; pool_k, pool_v [C, KVH, P, D]; pages [B, M] int64 slots in [0, C);
@@ -229,35 +435,89 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor pool_k, at::Tensor po
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "q heads ", H, " must be a multiple of kv heads ", KVH);
   TORCH_CHECK(pages.size(0) == B && allowed.size(0) == B, "pages and allowed need one row per sequence");
   TORCH_CHECK(allowed.size(1) == M * P, "allowed must have pages.size(1) * page_size = ", M * P, " columns");
-  const int64_t* pg = pages.data_ptr<int64_t>();
-  for (int64_t i = 0; i < B * M; ++i) TORCH_CHECK(pg[i] >= 0 && pg[i] < C, "page slot ", pg[i], " outside the pool");
-
+  check_pages(pages, C, "pool");
   auto out = at::empty({B, H, D}, q.options());
-  const int64_t G = H / KVH, S = M * P;
-  if (S == 0) return out.zero_();
-  const Kernel kernel = pick(G, D);
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> probs(G * S);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / KVH, h = task % KVH;
-      Task t{q.data_ptr<float>() + (b * H + h * G) * D, pool_k.data_ptr<float>(), pool_v.data_ptr<float>(),
-             pg + b * M, allowed.data_ptr<bool>() + b * S, out.data_ptr<float>() + (b * H + h * G) * D,
-             probs.data(), M, P, KVH, h, G, D, S, static_cast<float>(scale)};
-      if (std::none_of(t.allowed, t.allowed + S, [](bool a) { return a; })) {
-        std::fill(t.out, t.out + G * D, 0.f);
-        continue;
-      }
-      kernel(t);
-    }
-  });
+  if (M * P == 0) return out.zero_();
+  const auto kind = at::zeros({B, M}, pages.options().dtype(at::kChar));
+  const Sources src{pool_k.data_ptr<float>(), pool_v.data_ptr<float>(), nullptr, nullptr, nullptr, 0, {},
+                    kind.data_ptr<int8_t>(), pages.data_ptr<int64_t>()};
+  run_tasks(q.data_ptr<float>(), out.data_ptr<float>(), nullptr, src, allowed.data_ptr<bool>(), 1, B, H, KVH, M, P, D,
+            static_cast<float>(scale));
   return out;
+}
+
+// The tiered cache's decode attention: pages from three places, named per page by kind [B, M]
+// int8 (0: pool_k / pool_v [C, KVH, P, D] by slot; 1: warm [Cw, NB] uint8, encoded pages by
+// slot, in the codec `warm_codec` = [bits, value group, then the byte offsets of the key codes,
+// scales, zero points and the value codes, scales, zero points]; 2: extra_k / extra_v
+// [X, KVH, P, D] by index) and slot [B, M] int64. allowed [B, 1 or KVH, M * P] bool: the keys each
+// query (or each kv head's queries) may see; a page with no allowed key is not read. Returns
+// (out [B, H, D], mass [B, KVH, M]: each page's attention probability summed over the kv head's
+// query heads).
+std::tuple<at::Tensor, at::Tensor> tiered_decode_attention(at::Tensor q, at::Tensor pool_k, at::Tensor pool_v,
+                                                           at::Tensor extra_k, at::Tensor extra_v, at::Tensor warm,
+                                                           at::IntArrayRef warm_codec, at::Tensor kind,
+                                                           at::Tensor slot, at::Tensor allowed, double scale) {
+  check(q, "q", 3, at::kFloat);
+  check(pool_k, "pool_k", 4, at::kFloat);
+  check(pool_v, "pool_v", 4, at::kFloat);
+  check(extra_k, "extra_k", 4, at::kFloat);
+  check(extra_v, "extra_v", 4, at::kFloat);
+  check(warm, "warm", 2, at::kByte);
+  check(kind, "kind", 2, at::kChar);
+  check(slot, "slot", 2, at::kLong);
+  check(allowed, "allowed", 3, at::kBool);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = pool_k.size(1), P = pool_k.size(2), M = slot.size(1), A = allowed.size(1);
+  TORCH_CHECK(pool_v.sizes() == pool_k.sizes() && extra_k.sizes() == extra_v.sizes(),
+              "pool_v / extra_v must have pool_k's / extra_k's shape");
+  TORCH_CHECK(pool_k.size(3) == D && extra_k.size(1) == KVH && extra_k.size(2) == P && extra_k.size(3) == D,
+              "pool and extra pages must be [*, KVH, P, D] with q's head dim ", D);
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "q heads ", H, " must be a multiple of kv heads ", KVH);
+  TORCH_CHECK(kind.sizes() == slot.sizes() && slot.size(0) == B && allowed.size(0) == B,
+              "kind, slot and allowed need one row per sequence (kind and slot of one shape)");
+  TORCH_CHECK((A == 1 || A == KVH) && allowed.size(2) == M * P,
+              "allowed must be [B, 1 or KVH, M * P] with M * P = ", M * P);
+  TORCH_CHECK(warm_codec.size() == 8, "warm_codec: [bits, value group, 6 byte offsets], got ", warm_codec.size(),
+              " values");
+  const WarmCodec codec{warm_codec[0], warm_codec[1], warm_codec[2], warm_codec[3], warm_codec[4],
+                        warm_codec[5], warm_codec[6], warm_codec[7]};
+  const int8_t* kd = kind.data_ptr<int8_t>();
+  const int64_t* sl = slot.data_ptr<int64_t>();
+  const int64_t counts[3] = {pool_k.size(0), warm.size(0), extra_k.size(0)};
+  for (int64_t i = 0; i < B * M; ++i) {
+    TORCH_CHECK(kd[i] >= 0 && kd[i] <= 2, "page kind ", int(kd[i]), " is not 0 (pool), 1 (warm) or 2 (extra)");
+    TORCH_CHECK(sl[i] >= 0 && sl[i] < counts[kd[i]], "page slot ", sl[i], " outside its source (",
+                counts[kd[i]], " pages)");
+  }
+  const bool any_warm = std::any_of(kd, kd + B * M, [](int8_t k) { return k == kWarm; });
+  if (any_warm) {
+    TORCH_CHECK((codec.bits == 2 || codec.bits == 4 || codec.bits == 8) && codec.vgroup > 0 && D % codec.vgroup == 0,
+                "warm_codec: bits must be 2, 4 or 8 and the value group divide the head dim");
+    const int64_t n = KVH * P * D, need = std::max({codec.k_codes + n * codec.bits / 8, codec.v_codes + n * codec.bits / 8,
+                                                    codec.k_scale + 2 * KVH * D, codec.k_zero + 2 * KVH * D,
+                                                    codec.v_scale + 2 * n / codec.vgroup,
+                                                    codec.v_zero + 2 * n / codec.vgroup});
+    TORCH_CHECK(need <= warm.size(1), "warm_codec's sections reach byte ", need, " of a ", warm.size(1), "-byte page");
+  }
+  auto out = at::empty({B, H, D}, q.options());
+  auto mass = at::zeros({B, KVH, M}, q.options());
+  if (M * P == 0) return {out.zero_(), mass};
+  const Sources src{pool_k.data_ptr<float>(), pool_v.data_ptr<float>(), extra_k.data_ptr<float>(),
+                    extra_v.data_ptr<float>(), warm.data_ptr<uint8_t>(), warm.size(1), codec, kd, sl};
+  run_tasks(q.data_ptr<float>(), out.data_ptr<float>(), mass.data_ptr<float>(), src, allowed.data_ptr<bool>(), A, B, H,
+            KVH, M, P, D, static_cast<float>(scale));
+  return {out, mass};
 }
 
 TORCH_LIBRARY(tieredkv_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor pool_k, Tensor pool_v, Tensor pages, Tensor allowed, float scale) "
         "-> Tensor");
+  m.def("tiered_decode_attention(Tensor q, Tensor pool_k, Tensor pool_v, Tensor extra_k, Tensor extra_v, "
+        "Tensor warm, int[] warm_codec, Tensor kind, Tensor slot, Tensor allowed, float scale) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tieredkv_cpu, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("tiered_decode_attention", &tiered_decode_attention);
 }

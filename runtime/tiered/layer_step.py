@@ -30,7 +30,9 @@ import time
 
 import torch
 
-from tieredkv.models.cache import attention, gather_pages, pool_decode_attention
+from tieredkv.models.cache import (EXTRA, POOL, WARM, attention, decode_op_applies, gather_pages,
+                                   pool_decode_attention,
+                                   tiered_decode_attention, tiered_in_place)
 from tieredkv.plugins.importance_score import (RELEVANCE_ONLY, distance_bucket, importance_score, mix,
                                                relevance_and_ranking)
 from tieredkv.plugins.select_pages import ATTEND_ALL, select_pages
@@ -144,6 +146,9 @@ class LayerStep:
         self.exact_choice = (mgr.exact_read_choice(slice(None), plan.recs, n_exact, plan.valid).to(dev)
                              if n_exact else None)
         self._allowed_all = None  # the keys every query may see when a layer attends every page
+        #: a decode step through the CPU op (:meth:`attend_in_place`): the warm pool's layout for the
+        #: op where it reads the warm pages encoded, () where warm pages go through the reader; None: no op
+        self.in_place = tiered_in_place(mgr, self.dev) if self.decode else None
         self.ran = False  # a layer attended (or an engine's graph ran): the step has something to record
         self.moves_inside = cache._speculate  # a layer-ahead prefetch may move pages during the step
         # nothing to do: no selection, every page full precision on the device, room for the next
@@ -300,6 +305,10 @@ class LayerStep:
             self.rec.full[layer] = dslot.cpu() >= 0
             self.rec.warm[layer] = mgr.warm_only(layer, plan.recs)
             self.rec.staged[layer] = t.staged[layer, plan.recs]
+        if self.in_place is not None and decode_op_applies(q, mgr.device.k):
+            got = self.attend_in_place(layer, q, dslot, attended, heads, exact)
+            if got is not None:
+                return got
         pick = (lambda x: x) if cols is None else (lambda x: x.gather(-1, cols if x.dim() == 2 else
                                                                       cols.unsqueeze(1).expand(-1, x.shape[1], -1)))
         dslot, att = pick(dslot), pick(attended)
@@ -327,6 +336,54 @@ class LayerStep:
         if cols is not None:
             mass = torch.zeros(B, M, device=mass.device).scatter_(1, cols, mass)
         return out, mass
+
+    def attend_in_place(self, layer: int, q: torch.Tensor, dslot: torch.Tensor, attended: torch.Tensor,
+                        heads: torch.Tensor | None, exact: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode layer through ``models.cache.tiered_decode_attention`` (the CPU op): every
+        listed page read where it is — the device pool by slot, the warm pool encoded (4-bit codes
+        decoded inside the kernel) — and only the pages off the device (host, disk, exact reads;
+        warm pages too where the op cannot read the warm pool: a ladder, decoded copies, another
+        codec) read by the manager's one reader into a small extra batch; an unselected page is
+        not read at all. Nothing gathered, no compaction: (out, mass [B, M]) as
+        :meth:`gather_and_attend`'s, or ``None`` where the op does not apply."""
+        mgr, t, plan = self.mgr, self.mgr.table, self.plan
+        B, M = plan.batch, plan.width
+        pool_k, pool_v = mgr.device.k[layer], mgr.device.v[layer]
+        warm = self.in_place
+        on_dev = dslot >= 0
+        kind = torch.full((B, M), POOL, dtype=torch.int8)
+        slot = dslot.clamp(min=0)
+        kw = {}
+        if warm and mgr.warm is not None:
+            wslot = t.warm_slot[layer].index_select(0, plan.recs.flatten()).view(B, M)
+            in_warm = ~on_dev & (wslot >= 0) & attended.cpu()
+            if exact is not None:
+                in_warm &= ~exact.cpu()
+            kind[in_warm] = WARM
+            slot = torch.where(in_warm, wslot, slot)
+            kw.update(warm=mgr.warm.data[layer], warm_codec=warm)
+        other = attended.cpu() & ~on_dev & (kind == POOL)
+        if bool(other.any()):
+            rows, cols = other.nonzero(as_tuple=True)
+            n = len(rows)
+            ek = torch.empty((n, *pool_k.shape[1:]), dtype=pool_k.dtype, device=pool_k.device)
+            ev = torch.empty_like(ek)
+
+            def put(idx: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> None:
+                ek.index_copy_(0, idx, ks)
+                ev.index_copy_(0, idx, vs)
+
+            ex = False if exact is None else exact.cpu()[rows, cols]
+            mgr.read_pages_into(layer, self.recs.cpu()[rows, cols], pool_k.dtype, put, exact=ex)
+            kind[rows, cols] = EXTRA
+            slot[rows, cols] = torch.arange(n)
+            kw.update(extra_k=ek, extra_v=ev)
+        if heads is None and attended is self.valid:  # every page: the same keys in every layer
+            allowed = self.allowed_all(1, pool_k.shape[2])
+        else:
+            page_mask = attended if heads is None else heads & attended.unsqueeze(1)
+            allowed = allowed_keys(page_mask, self.index, self.seq_len, self.past, 1, pool_k.shape[2])
+        return tiered_decode_attention(q, pool_k, pool_v, kind, slot, allowed.view(B, allowed.shape[1], -1), **kw)
 
     # ------------------------------------------------------------------ the step's end
     def record(self) -> StepRecord:

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from tieredkv.errors import ConfigError
-from tieredkv.models.cache import attention, gather_pages, pool_decode_attention
+from tieredkv.models.cache import (attention, gather_pages, pool_decode_attention, tiered_decode_attention,
+                                  warm_codec_args)
 from tieredkv.models.cpu_attention import cpu_attention_status, decode_attention_op, set_cpu_attention
 
 OP = decode_attention_op()
@@ -101,3 +102,78 @@ def test_prepare_builds_only_for_float32_on_the_cpu():
     cpu_attention.prepare("cpu", torch.float16, log=said.append)  # nothing to build: no word
     cpu_attention.prepare("meta", torch.float32, log=said.append)
     assert all("decode-attention op" in line for line in said)
+
+
+# ------------------------------------------------------------------ the tiered cache's variant
+def tiered_case(b, kvh, g, d, p, m, codec, seed, heads_mask=False):
+    """Pages in all three places (the pool, the warm pool encoded with ``codec``, extra pages),
+    a random mask with unattended pages, per kv head when ``heads_mask``; and the oracle: every
+    page decoded (``decode_pages``) and gathered, attended with the measuring path's formula."""
+    from tieredkv.plugins.codec import CODECS, decode_pages, encode_pages
+    from tieredkv.runtime.tiered.layer_step import _attend
+
+    q, pool_k, pool_v, _ = case(b, kvh, g, d, p, m, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    spec = CODECS[codec]
+    cw, x = b * m + 2, b * m + 1
+    wk, wv = torch.randn(cw, kvh, p, d, generator=gen), torch.randn(cw, kvh, p, d, generator=gen)
+    warm = encode_pages(wk, wv, spec)
+    dk, dv = decode_pages(warm, spec, (kvh, p, d))
+    ek, ev = torch.randn(x, kvh, p, d, generator=gen), torch.randn(x, kvh, p, d, generator=gen)
+    kind = torch.randint(0, 3, (b, m), generator=gen)
+    counts = torch.tensor([pool_k.shape[0], cw, x])
+    slot = (torch.rand(b, m, generator=gen) * counts[kind]).long()
+    pages_on = torch.rand(b, kvh if heads_mask else 1, m, generator=gen) < 0.75
+    pages_on[..., 0] = True
+    keys_on = torch.rand(b, 1, m * p, generator=gen) < 0.9
+    allowed = pages_on.repeat_interleave(p, -1) & keys_on
+    srcs = [(pool_k, pool_v), (dk, dv), (ek, ev)]
+    k = torch.stack([torch.stack([srcs[kind[i, j]][0][slot[i, j]] for j in range(m)]) for i in range(b)])
+    v = torch.stack([torch.stack([srcs[kind[i, j]][1][slot[i, j]] for j in range(m)]) for i in range(b)])
+    k, v = (x.view(b, m, kvh, p, d).transpose(1, 2).reshape(b, kvh, m * p, d) for x in (k, v))
+    out, probs = _attend(q, k, v, allowed.view(b, allowed.shape[1], 1, 1, m * p))
+    mass = probs.view(b, kvh * g, 1, m, p).sum(-1).mean(1).sum(1)
+    args = dict(warm=warm, warm_codec=warm_codec_args(spec, kvh, p, d), extra_k=ek, extra_v=ev)
+    return (q, pool_k, pool_v, kind, slot, allowed), args, (out, mass)
+
+
+TIERED_SHAPES = [(3, 3, 3, 64, 16, 7, "int4"), (2, 2, 4, 128, 16, 5, "int4-g16"), (2, 3, 2, 64, 16, 9, "int2"),
+                 (2, 1, 8, 64, 4, 6, "int4"), (3, 2, 5, 48, 16, 4, "int4"), (1, 3, 3, 64, 16, 40, "int4")]
+
+
+@needs_op
+@pytest.mark.parametrize("heads_mask", [False, True], ids=["mask-per-sequence", "mask-per-kv-head"])
+@pytest.mark.parametrize("shape", TIERED_SHAPES, ids=lambda s: "b{}-kvh{}-g{}-d{}-p{}-m{}-{}".format(*s))
+def test_tiered_variant_matches_decode_gather_attend(shape, heads_mask):
+    """Pool, warm (read encoded: in place for 4-bit codes in 16-token pages, decoded in the task
+    otherwise) and extra pages mixed in every row; the output and the per-page mass as the
+    measuring path's (warm pages decoded by ``decode_pages``, all gathered, ``_attend``)."""
+    b, kvh, g, d, p, m, codec = shape
+    args, kw, (want, want_mass) = tiered_case(b, kvh, g, d, p, m, codec, seed=b * m + d, heads_mask=heads_mask)
+    got, mass = tiered_decode_attention(*args, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mass, want_mass, rtol=1e-5, atol=1e-6)
+    not_attended = ~args[5].view(b, -1, m, p).any(-1).any(1)
+    assert torch.equal(mass[not_attended], torch.zeros_like(mass[not_attended]))
+
+
+@needs_op
+def test_tiered_variant_without_warm_pages_equals_the_paged_op():
+    q, pool_k, pool_v, pages = case(4, 3, 3, 64, 16, 6, seed=5)
+    allowed = torch.rand(4, 96, generator=torch.Generator().manual_seed(0)) < 0.8
+    got, mass = tiered_decode_attention(q, pool_k, pool_v, torch.zeros_like(pages), pages, allowed.unsqueeze(1))
+    assert torch.equal(got, pool_decode_attention(q, pool_k, pool_v, pages, allowed))
+    torch.testing.assert_close(mass.sum(1), torch.ones(4))
+
+
+@needs_op
+def test_tiered_variant_refuses_bad_pages():
+    (q, pool_k, pool_v, kind, slot, allowed), kw, _ = tiered_case(2, 3, 3, 64, 16, 4, "int4", seed=0)
+    with pytest.raises(RuntimeError, match="outside its source"):
+        tiered_decode_attention(q, pool_k, pool_v, kind, slot + 1000, allowed, **kw)
+    with pytest.raises(RuntimeError, match="is not 0"):
+        tiered_decode_attention(q, pool_k, pool_v, kind + 3, slot, allowed, **kw)
+    with pytest.raises(RuntimeError, match="reach byte"):
+        tiered_decode_attention(q, pool_k, pool_v, torch.ones_like(kind), slot.clamp(max=0), allowed,
+                                **{**kw, "warm": kw["warm"][:, :1000].contiguous()})
+    assert warm_codec_args(__import__("tieredkv.plugins.codec", fromlist=["CODECS"]).CODECS["fp8"], 3, 16, 64) is None
