@@ -18,6 +18,11 @@ a selecting layer attends. Per layer (:meth:`LayerStep.attend`):
    misses, prefill of demoted pages, ``warm.exact_reads``) read by the manager's one reader;
 4. *attend* — :func:`attend_pages`, which also gives each page's attention mass.
 
+A decode layer on the CPU in float32 does 3 and 4 in one op instead
+(:meth:`LayerStep.attend_in_place`, ``models.cache.tiered_decode_attention``): each page read
+where it is — the device pool by slot, the warm pool encoded — and only the pages off the device
+read by the manager's reader; no gather, no compaction, unselected pages not read.
+
 What each layer did is kept in [L, B, M] buffers and handed to the manager once, at the end
 of the step (:meth:`LayerStep.record`). When the budgets hold the whole work — no selection,
 every page full precision on the device — a layer is a gather by slot and an attention, the
