@@ -118,13 +118,13 @@ POOL, WARM, EXTRA = 0, 1, 2
 def warm_codec_args(spec, kv_heads: int, page_size: int, head_dim: int) -> list[int] | None:
     """The warm-pool layout :func:`tiered_decode_attention` reads ([bits, value group, the byte
     offsets of the key codes, scales, zero points, the value codes, scales, zero points]), or
-    ``None`` for a codec it cannot read encoded (only asymmetric 2-, 4- and 8-bit integer codes
-    with per-channel keys and per-token values: the default int4 and int2, int4-g16)."""
+    ``None`` for a codec it cannot read encoded (only asymmetric 2- and 4-bit integer codes with
+    per-channel keys and per-token values: the default int4, int4-g16 and int2)."""
     import math
 
     from tieredkv.plugins.codec import page_layout
 
-    if (spec.base != "int" or not spec.asym or spec.bits not in (2, 4, 8) or spec.residual_bits or spec.keyframe
+    if (spec.base != "int" or not spec.asym or spec.bits not in (2, 4) or spec.residual_bits or spec.keyframe
             or spec.key_axis != "channel" or spec.value_axis != "token"):
         return None
     lay = page_layout(spec, kv_heads, page_size, head_dim)

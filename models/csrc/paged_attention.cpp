@@ -367,11 +367,11 @@ void run_tasks(const float* q, float* out, float* mass, const Sources& src, cons
       int64_t w = 0;
       for (int64_t m = 0; m < M; ++m) {
         const int64_t slot = src.slot[b * M + m];
+        if (in_place) wp[m] = nullptr;
         if (std::none_of(al + m * P, al + (m + 1) * P, [](bool a) { return a; })) {
           kp[m] = vp[m] = zeros.data();  // not attended: never read
           continue;
         }
-        if (in_place) wp[m] = nullptr;
         switch (src.kind[b * M + m]) {
           case kPool:
             kp[m] = src.pool_k + (slot * KVH + h) * P * D;
@@ -492,6 +492,8 @@ std::tuple<at::Tensor, at::Tensor> tiered_decode_attention(at::Tensor q, at::Ten
   }
   const bool any_warm = std::any_of(kd, kd + B * M, [](int8_t k) { return k == kWarm; });
   if (any_warm) {
+    TORCH_CHECK(std::all_of(warm_codec.begin() + 2, warm_codec.end(), [](int64_t o) { return o >= 0; }),
+                "warm_codec: byte offsets must not be negative");
     TORCH_CHECK((codec.bits == 2 || codec.bits == 4 || codec.bits == 8) && codec.vgroup > 0 && D % codec.vgroup == 0,
                 "warm_codec: bits must be 2, 4 or 8 and the value group divide the head dim");
     const int64_t n = KVH * P * D, need = std::max({codec.k_codes + n * codec.bits / 8, codec.v_codes + n * codec.bits / 8,

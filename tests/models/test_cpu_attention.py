@@ -127,6 +127,8 @@ def tiered_case(b, kvh, g, d, p, m, codec, seed, heads_mask=False):
     pages_on[..., 0] = True
     keys_on = torch.rand(b, 1, m * p, generator=gen) < 0.9
     allowed = pages_on.repeat_interleave(p, -1) & keys_on
+    if b > 1:
+        allowed[-1, -1] = False  # the last sequence's last kv head (every head: a mask per sequence) sees no key
     srcs = [(pool_k, pool_v), (dk, dv), (ek, ev)]
     k = torch.stack([torch.stack([srcs[kind[i, j]][0][slot[i, j]] for j in range(m)]) for i in range(b)])
     v = torch.stack([torch.stack([srcs[kind[i, j]][1][slot[i, j]] for j in range(m)]) for i in range(b)])
@@ -155,6 +157,9 @@ def test_tiered_variant_matches_decode_gather_attend(shape, heads_mask):
     torch.testing.assert_close(mass, want_mass, rtol=1e-5, atol=1e-6)
     not_attended = ~args[5].view(b, -1, m, p).any(-1).any(1)
     assert torch.equal(mass[not_attended], torch.zeros_like(mass[not_attended]))
+    if b > 1:  # no key seen: zeros out
+        blind = got[-1, -g:] if heads_mask else got[-1]
+        assert torch.equal(blind, torch.zeros_like(blind))
 
 
 @needs_op

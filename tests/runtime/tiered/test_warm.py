@@ -314,3 +314,64 @@ def test_exact_reads_setting():
     for bad in (-1, 1.5, "many", True, 2048):
         with pytest.raises(ConfigError, match="warm_exact_reads.*'auto' or an integer in \\[0, 1024\\]"):
             TieredKVConfig(warm_exact_reads=bad)
+
+
+# ------------------------------------------------------------------ the decode op against the gathering path
+WIDE = tiny_model(seed=5, head_dim=64, num_heads=6, num_kv_heads=2)  # head dim 64, 3 query heads per kv head
+
+
+@pytest.mark.parametrize("setup", [
+    dict(codec="int4", page_size=16),  # 4-bit codes read in place by the kernel (AVX-512)
+    dict(codec="int2", page_size=16),  # decoded into the task's scratch
+    dict(codec="int4", page_size=8),  # scratch: pages of 8 tokens
+    dict(codec="int4", page_size=16, warm_exact_reads=2),
+    dict(codec="int4", page_size=16, attention_budget="40%", selection_aggregate="kv-head"),
+    dict(codec="int4", page_size=16, mode="masked"),
+    dict(codec="int4", page_size=16, warm_ladder="int2:0.5"),  # a ladder: warm pages through the reader
+    dict(codec="int4", page_size=16, keep_decoded_warm=True),  # decoded copies: through the reader
+    dict(codec="fp8", page_size=16),  # a codec the op does not read encoded
+], ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+def test_decode_op_equals_the_gathering_path(setup, monkeypatch):
+    """A bound budget's decode layers through the CPU op (``LayerStep.attend_in_place``: pages
+    read where they are) give the logits, the selections and the page masses of the gathering
+    path (``set_cpu_attention("torch")``: gather, decode, ``attend_pages``) to float32 rounding,
+    with warm pages read encoded or through the reader, exact reads, kv-head selection, masked
+    mode; and the op is what ran."""
+    import tieredkv.runtime.tiered.layer_step as layer_step
+    from tieredkv.models.cpu_attention import set_cpu_attention, tiered_attention_op
+
+    if tiered_attention_op() is None:
+        pytest.skip("the CPU op could not be built here")
+    setup = dict(setup)
+    codec, page_size, keep = setup.pop("codec"), setup.pop("page_size"), setup.pop("keep_decoded_warm", False)
+    small = {**SMALL, "page_size": page_size}
+    tokens = torch.randint(0, 512, (400,), generator=torch.Generator().manual_seed(11))
+    calls = []
+    inner = layer_step.tiered_decode_attention
+    monkeypatch.setattr(layer_step, "tiered_decode_attention", lambda *a, **k: calls.append(1) or inner(*a, **k))
+    runs = {}
+    for backend in ("paged", "torch"):
+        set_cpu_attention(backend)
+        try:
+            cfg = TieredKVConfig(policy="lfu-importance", device_budget="50%", warm_codec=codec, warm_fraction=0.5,
+                                 **small, **setup)
+            cache = TieredKVCache(WIDE.kv_spec(), cfg, full_tokens=400, keep_decoded_warm=keep)
+            sid = cache.add_sequence()
+            prefill(WIDE, cache, sid, tokens[:370], chunk_size=128)
+            masses = []
+            record = cache.mgr.record_step
+            monkeypatch.setattr(cache.mgr, "record_step", lambda plan, rec: masses.append(rec) or record(plan, rec))
+            logits = prefill(WIDE, cache, sid, tokens[370:], start_pos=370, chunk_size=1, all_logits=True)
+            cache.mgr.check_invariants()
+            runs[backend] = (logits, masses, len(calls))
+        finally:
+            set_cpu_attention("paged")
+    (got, got_rec, n_op), (want, want_rec, n_after) = runs["paged"], runs["torch"]
+    assert n_op > 0 and n_after == n_op  # the op ran on the op's backend only
+    assert cache.metrics.pages_per_tier["T2w"] > 0 and cache.metrics.warm_reads > 0  # warm pages were attended
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert len(got_rec) == len(want_rec) == 30
+    for a, b in zip(got_rec, want_rec):
+        assert torch.equal(a.selected, b.selected) and torch.equal(a.attended, b.attended)
+        if b.mass is not None:
+            torch.testing.assert_close(a.mass, b.mass, rtol=1e-4, atol=1e-6)
