@@ -36,8 +36,7 @@ import time
 import torch
 
 from tieredkv.models.cache import (EXTRA, POOL, WARM, attention, decode_op_applies, gather_pages,
-                                   pool_decode_attention,
-                                   tiered_decode_attention, tiered_in_place)
+                                   pool_decode_attention, tiered_decode_attention, tiered_in_place)
 from tieredkv.plugins.importance_score import (RELEVANCE_ONLY, distance_bucket, importance_score, mix,
                                                relevance_and_ranking)
 from tieredkv.plugins.select_pages import ATTEND_ALL, select_pages
