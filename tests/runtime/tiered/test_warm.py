@@ -375,3 +375,41 @@ def test_decode_op_equals_the_gathering_path(setup, monkeypatch):
         assert torch.equal(a.selected, b.selected) and torch.equal(a.attended, b.attended)
         if b.mass is not None:
             torch.testing.assert_close(a.mass, b.mass, rtol=1e-4, atol=1e-6)
+
+
+def test_a_device_no_longer_pressed_takes_its_warm_pages_back():
+    """Two sequences press the device into the warm tier; once one is freed, the next window
+    boundary refills the free full-precision slots (beyond the next window's headroom) with the
+    survivor's warm pages, read exact — its decode steps then attend every page at full precision
+    (the paged cache's path), and the derived attention budget is the device's pages for one
+    sequence instead of half of them."""
+    cfg = TieredKVConfig(policy="lfu-importance", device_budget="40%", warm_codec="int4", warm_fraction=0.5, **SMALL)
+    cache = TieredKVCache(MODEL.kv_spec(), cfg, full_tokens=240, num_sequences=2)
+    gen = torch.Generator().manual_seed(2)
+    sids = [cache.add_sequence() for _ in range(2)]
+    for sid in sids:  # 10 pages each; 16 full-precision slots per layer
+        prefill(MODEL, cache, sid, torch.randint(0, 512, (80,), generator=gen), chunk_size=32)
+    t = cache.mgr.table
+
+    def warm_of(sid):
+        recs = torch.tensor(t.seq_pages[sid])
+        return int(((t.device_slot[:, recs] < 0) & (t.warm_slot[:, recs] >= 0)).sum())
+
+    assert warm_of(sids[1]) > 0
+    shared = cache.budgets.attention_shared
+    assert cache.step_attention_pages() == cache.budgets.attention_pages == shared // 2
+    cache.free_sequence(sids[0])
+    assert cache.step_attention_pages() == shared
+    mgr, before = cache.mgr, warm_of(sids[1])
+    headroom = -(-cache.config.migration.window_steps // cache.page_size) + 1
+    mgr._refill(torch.ones(L, dtype=torch.bool))  # the window boundary's refill, every layer free
+    mgr.check_invariants()
+    assert warm_of(sids[1]) == 0 and mgr.metrics.promotions >= before
+    assert bool((mgr.device.used() <= mgr.resident_cap - headroom).all())
+    seen = []
+    inner = LayerStep.attend_all
+    import unittest.mock as mock
+    with mock.patch.object(LayerStep, "attend_all", lambda self, *a: seen.append(1) or inner(self, *a)):
+        prefill(MODEL, cache, sids[1], torch.randint(0, 512, (1,), generator=gen), start_pos=80, chunk_size=1)
+    assert len(seen) == L  # every layer of the decode step on the paged cache's path
+    mgr.check_invariants()
