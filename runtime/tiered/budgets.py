@@ -129,11 +129,6 @@ class ResolvedBudgets:
     stored: str = ""  # the dtype the pages are stored in ("": not given)
     page_bytes: int = 0  # bytes of one full-precision page across all layers, stored dtype
     given: tuple[BudgetBytes, ...] = ()  # the budgets that were set, as resolved
-    #: the attention budget derived from the device budget (no attention_budget given): the pages
-    #: the device holds (full precision and warm) that ``attention_pages`` is their share of over
-    #: ``num_sequences``; a decode step shares them among the sequences held then
-    #: (``TieredKVCache.step_attention_pages``). None: the budget was given, or there is none.
-    attention_shared: int | None = None
 
     @property
     def resident_pages(self) -> int | None:
@@ -193,7 +188,7 @@ def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_
     dev = Budget.parse(config.budgets.device, "device_budget")
     host = Budget.parse(config.budgets.host, "host_budget")
     att = Budget.parse(config.budgets.attention, "attention_budget")
-    device_pages = host_pages = attention_pages = attention_shared = None
+    device_pages = host_pages = attention_pages = None
     staging = config.budgets.staging_pages
     if dev is not None:
         per_seq = dev.tokens(full_tokens=full_tokens, token_bytes_all_layers=tok_all, field="device_budget",
@@ -236,7 +231,6 @@ def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_
         # default: attend to as many pages as can be resident for one sequence ('100%' or
         # 'unlimited' given explicitly: every page, the non-resident ones fetched or masked)
         attention_pages = (device_pages - staging) // num_sequences
-        attention_shared = device_pages - staging
     warm_pages = warm_given = 0
     warm_rungs: tuple[int, ...] = ()
     if device_pages is not None and config.warm.codec is not None:
@@ -261,8 +255,7 @@ def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_
                       tuple(int(s * given_bytes) // b for s, b in zip(shares, rung_bytes)))
         warm_pages = sum(warm_rungs)
         if att is None:
-            attention_shared = device_pages - staging - warm_given + warm_pages
-            attention_pages = attention_shared // num_sequences
+            attention_pages = (device_pages - staging - warm_given + warm_pages) // num_sequences
     page_bytes_all_layers = tok_all * P
     for name, budget, pages in (("device_budget", dev, device_pages), ("host_budget", host, host_pages)):
         if pages is not None and pages * page_bytes_all_layers > physical_memory():
@@ -276,7 +269,7 @@ def resolve_budgets(config: TieredKVConfig, *, num_layers: int, token_bytes_per_
                                          ("attention", att, attention_pages)) if b is not None)
     return ResolvedBudgets(device_pages, host_pages, attention_pages, hot, staging, warm_pages, warm_given, warm_rungs,
                            reference=reference, stored=str(dtype).removeprefix("torch."),
-                           page_bytes=page_bytes_all_layers, given=given, attention_shared=attention_shared)
+                           page_bytes=page_bytes_all_layers, given=given)
 
 
 def _of_reference(b: Budget, reference: str, dtype: torch.dtype) -> str:

@@ -182,17 +182,6 @@ class TieredKVCache(KVCache):
         warm = self.budgets.warm_pages if self.mgr.warm is not None else 0
         return hot <= cap and attended - hot <= cap - hot + warm
 
-    def step_attention_pages(self) -> int | None:
-        """A decode step's attention budget per sequence: the resolved ``attention_pages``, or —
-        where it was derived from the device budget (no ``attention_budget`` given) — the pages the
-        device holds shared among the sequences the cache holds now, never fewer than the
-        resolved share: a sequence running alone in a cache sized for sixteen attends what the
-        device holds for it instead of a sixteenth (None: every page)."""
-        b = self.budgets
-        if b.attention_shared is None or b.attention_pages is None:
-            return b.attention_pages
-        return max(b.attention_pages, b.attention_shared // max(1, self.mgr.num_sequences))
-
     def expect(self, seq_id: int, tokens: int) -> None:
         self.mgr.expect(seq_id, -(-tokens // self.page_size))
 

@@ -130,7 +130,7 @@ class LayerStep:
         self.candidates = plan.candidates.to(dev)
         # the new tokens' device slots, one [B * T] row per layer (resident all step)
         self.write_slots = t.device_slot.index_select(1, plan.write_recs).to(dev).unbind(0)
-        budget = cache.step_attention_pages()
+        budget = cache.budgets.attention_pages
         self.budget = ATTEND_ALL if budget is None or not self.decode else budget
         counts = torch.tensor(plan.lengths)
         self.selecting = bool((counts > self.budget).any())
@@ -147,8 +147,6 @@ class LayerStep:
         # full precision on the device in every layer: the gather needs no other reader
         self.all_full = bool((t.device_slot.index_select(1, plan.recs[plan.valid]) >= 0).all())
         n_exact = config.warm.reads_exact(config.selection.mode) if self.decode and mgr.warm is not None else 0
-        if n_exact and not bool(mgr.warm_only(slice(None), plan.recs[plan.valid]).any()):
-            n_exact = 0  # no listed page is held only warm: nothing to read exact
         self.exact_choice = (mgr.exact_read_choice(slice(None), plan.recs, n_exact, plan.valid).to(dev)
                              if n_exact else None)
         self._allowed_all = None  # the keys every query may see when a layer attends every page

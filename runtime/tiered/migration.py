@@ -21,7 +21,6 @@ class WindowMigration:
         t.idle_windows = torch.where(t.win_access > 0, torch.zeros_like(t.idle_windows), t.idle_windows + 1)
         if self.resident_cap is not None:
             pressed = self.pressed_layers()  # [L]
-            self._refill(~pressed)
             demote = self._candidates(None) & ((t.idle_windows >= c.demote_idle_windows) |
                                                (t.importance < c.demote_score)) & pressed.unsqueeze(1)
             layers, recs = demote.nonzero(as_tuple=True)
@@ -37,24 +36,6 @@ class WindowMigration:
             self.metrics.promotions += len(recs)
         self._update_hot_keys()
         t.win_access.zero_()
-
-    def _refill(self, layers_free: torch.Tensor) -> None:
-        """Window boundary, the layers whose device tier is not pressed (``layers_free`` [L]):
-        their full-precision slots beyond the next window's headroom take back the live pages
-        held only warm or off the device, most important first — each read exact once instead of
-        decoded or streamed at every step. A device whose pressure has gone (sequences finished)
-        returns to full precision, and its steps to the paged cache's path. Only layers that
-        demote nothing this window: no page leaves and comes back in one boundary."""
-        t = self.table
-        headroom = self.num_sequences * (-(-self.config.migration.window_steps // self.P) + 1)
-        room = torch.where(layers_free, self.resident_cap - self.device.used() - headroom,
-                           torch.zeros_like(self.device.used())).clamp(min=0)
-        want = t.alive.unsqueeze(0) & (t.device_slot < 0)
-        if not bool((room > 0).any()) or not bool(want.any()):
-            return
-        layers, recs = self._highest(want, t.importance, room)
-        self.admit(layers, recs)
-        self.metrics.promotions += len(recs)
 
     def pressed_layers(self) -> torch.Tensor:
         """[L] bool: the layers whose device tier has less free room than the next migration
