@@ -325,7 +325,8 @@ struct Sources {
   const uint8_t* warm;
   int64_t warm_bytes;  // one encoded page
   WarmCodec codec;
-  const int8_t* kind;   // [B, M]
+  const int8_t* kind;   // [B, M]; null: every page in the pool
+  Kind of(int64_t i) const { return kind ? static_cast<Kind>(kind[i]) : kPool; }
   const int64_t* slot;  // [B, M]
 };
 
@@ -362,7 +363,7 @@ void run_tasks(const float* q, float* out, float* mass, const Sources& src, cons
         continue;
       }
       int64_t n_warm = 0;
-      for (int64_t m = 0; m < M; ++m) n_warm += !in_place && src.kind[b * M + m] == kWarm;
+      for (int64_t m = 0; m < M; ++m) n_warm += !in_place && src.of(b * M + m) == kWarm;
       if (static_cast<int64_t>(decoded.size()) < 2 * n_warm * P * D) decoded.resize(2 * n_warm * P * D);
       int64_t w = 0;
       for (int64_t m = 0; m < M; ++m) {
@@ -372,7 +373,7 @@ void run_tasks(const float* q, float* out, float* mass, const Sources& src, cons
           kp[m] = vp[m] = zeros.data();  // not attended: never read
           continue;
         }
-        switch (src.kind[b * M + m]) {
+        switch (src.of(b * M + m)) {
           case kPool:
             kp[m] = src.pool_k + (slot * KVH + h) * P * D;
             vp[m] = src.pool_v + (slot * KVH + h) * P * D;
@@ -411,6 +412,18 @@ void run_tasks(const float* q, float* out, float* mass, const Sources& src, cons
   });
 }
 
+// The arguments both ops share: q [B, H, D] and a pool pair [C, KVH, P, D], float32, with q's head
+// dim and a whole number of query heads per kv head.
+void check_q_pool(const at::Tensor& q, const at::Tensor& pool_k, const at::Tensor& pool_v) {
+  check(q, "q", 3, at::kFloat);
+  check(pool_k, "pool_k", 4, at::kFloat);
+  check(pool_v, "pool_v", 4, at::kFloat);
+  TORCH_CHECK(pool_v.sizes() == pool_k.sizes(), "pool_v must have pool_k's shape");
+  TORCH_CHECK(pool_k.size(3) == q.size(2), "pool head dim ", pool_k.size(3), " != q head dim ", q.size(2));
+  const int64_t KVH = pool_k.size(1);
+  TORCH_CHECK(KVH > 0 && q.size(1) % KVH == 0, "q heads ", q.size(1), " must be a multiple of kv heads ", KVH);
+}
+
 void check_pages(const at::Tensor& slots, int64_t count, const char* what) {
   const int64_t* s = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < slots.numel(); ++i)
@@ -423,24 +436,18 @@ void check_pages(const at::Tensor& slots, int64_t count, const char* what) {
 // allowed [B, M * P] bool. Returns [B, H, D].
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor pool_k, at::Tensor pool_v, at::Tensor pages,
                                   at::Tensor allowed, double scale) {
-  check(q, "q", 3, at::kFloat);
-  check(pool_k, "pool_k", 4, at::kFloat);
-  check(pool_v, "pool_v", 4, at::kFloat);
+  check_q_pool(q, pool_k, pool_v);
   check(pages, "pages", 2, at::kLong);
   check(allowed, "allowed", 2, at::kBool);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t C = pool_k.size(0), KVH = pool_k.size(1), P = pool_k.size(2), M = pages.size(1);
-  TORCH_CHECK(pool_v.sizes() == pool_k.sizes(), "pool_v must have pool_k's shape");
-  TORCH_CHECK(pool_k.size(3) == D, "pool head dim ", pool_k.size(3), " != q head dim ", D);
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "q heads ", H, " must be a multiple of kv heads ", KVH);
   TORCH_CHECK(pages.size(0) == B && allowed.size(0) == B, "pages and allowed need one row per sequence");
   TORCH_CHECK(allowed.size(1) == M * P, "allowed must have pages.size(1) * page_size = ", M * P, " columns");
   check_pages(pages, C, "pool");
   auto out = at::empty({B, H, D}, q.options());
   if (M * P == 0) return out.zero_();
-  const auto kind = at::zeros({B, M}, pages.options().dtype(at::kChar));
   const Sources src{pool_k.data_ptr<float>(), pool_v.data_ptr<float>(), nullptr, nullptr, nullptr, 0, {},
-                    kind.data_ptr<int8_t>(), pages.data_ptr<int64_t>()};
+                    nullptr, pages.data_ptr<int64_t>()};
   run_tasks(q.data_ptr<float>(), out.data_ptr<float>(), nullptr, src, allowed.data_ptr<bool>(), 1, B, H, KVH, M, P, D,
             static_cast<float>(scale));
   return out;
@@ -458,9 +465,7 @@ std::tuple<at::Tensor, at::Tensor> tiered_decode_attention(at::Tensor q, at::Ten
                                                            at::Tensor extra_k, at::Tensor extra_v, at::Tensor warm,
                                                            at::IntArrayRef warm_codec, at::Tensor kind,
                                                            at::Tensor slot, at::Tensor allowed, double scale) {
-  check(q, "q", 3, at::kFloat);
-  check(pool_k, "pool_k", 4, at::kFloat);
-  check(pool_v, "pool_v", 4, at::kFloat);
+  check_q_pool(q, pool_k, pool_v);
   check(extra_k, "extra_k", 4, at::kFloat);
   check(extra_v, "extra_v", 4, at::kFloat);
   check(warm, "warm", 2, at::kByte);
@@ -469,11 +474,9 @@ std::tuple<at::Tensor, at::Tensor> tiered_decode_attention(at::Tensor q, at::Ten
   check(allowed, "allowed", 3, at::kBool);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = pool_k.size(1), P = pool_k.size(2), M = slot.size(1), A = allowed.size(1);
-  TORCH_CHECK(pool_v.sizes() == pool_k.sizes() && extra_k.sizes() == extra_v.sizes(),
-              "pool_v / extra_v must have pool_k's / extra_k's shape");
-  TORCH_CHECK(pool_k.size(3) == D && extra_k.size(1) == KVH && extra_k.size(2) == P && extra_k.size(3) == D,
-              "pool and extra pages must be [*, KVH, P, D] with q's head dim ", D);
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "q heads ", H, " must be a multiple of kv heads ", KVH);
+  TORCH_CHECK(extra_k.sizes() == extra_v.sizes(), "extra_v must have extra_k's shape");
+  TORCH_CHECK(extra_k.size(1) == KVH && extra_k.size(2) == P && extra_k.size(3) == D,
+              "extra pages must be [*, KVH, P, D] like the pool's, with q's head dim ", D);
   TORCH_CHECK(kind.sizes() == slot.sizes() && slot.size(0) == B && allowed.size(0) == B,
               "kind, slot and allowed need one row per sequence (kind and slot of one shape)");
   TORCH_CHECK((A == 1 || A == KVH) && allowed.size(2) == M * P,

@@ -354,19 +354,20 @@ class LayerStep:
         B, M = plan.batch, plan.width
         pool_k, pool_v = mgr.device.k[layer], mgr.device.v[layer]
         warm = self.in_place
-        on_dev = dslot >= 0
+        on_dev, att = dslot >= 0, attended.cpu()  # (the op runs on the CPU: views, no copies)
+        exact = None if exact is None else exact.cpu()
         kind = torch.full((B, M), POOL, dtype=torch.int8)
         slot = dslot.clamp(min=0)
         kw = {}
         if warm and mgr.warm is not None:
             wslot = t.warm_slot[layer].index_select(0, plan.recs.flatten()).view(B, M)
-            in_warm = ~on_dev & (wslot >= 0) & attended.cpu()
+            in_warm = ~on_dev & (wslot >= 0) & att
             if exact is not None:
-                in_warm &= ~exact.cpu()
+                in_warm &= ~exact
             kind[in_warm] = WARM
             slot = torch.where(in_warm, wslot, slot)
             kw.update(warm=mgr.warm.data[layer], warm_codec=warm)
-        other = attended.cpu() & ~on_dev & (kind == POOL)
+        other = att & ~on_dev & (kind == POOL)
         if bool(other.any()):
             rows, cols = other.nonzero(as_tuple=True)
             n = len(rows)
@@ -377,7 +378,7 @@ class LayerStep:
                 ek.index_copy_(0, idx, ks)
                 ev.index_copy_(0, idx, vs)
 
-            ex = False if exact is None else exact.cpu()[rows, cols]
+            ex = False if exact is None else exact[rows, cols]
             mgr.read_pages_into(layer, self.recs.cpu()[rows, cols], pool_k.dtype, put, exact=ex)
             kind[rows, cols] = EXTRA
             slot[rows, cols] = torch.arange(n)
