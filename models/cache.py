@@ -255,8 +255,10 @@ class KVCache(abc.ABC):
     def rollback(self, seq_id: int, state) -> None:
         self.truncate(seq_id, state)
 
-    def max_step_tokens(self) -> int | None:
-        """The most new tokens one forward call may bring (None: no limit)."""
+    def max_step_tokens(self, *, fixed: bool = False) -> int | None:
+        """The most new tokens one forward call may bring now (None: no limit); ``fixed``: a
+        limit that holds whatever the open sequences' lengths become (one chunk size for a
+        whole prompt)."""
         return None
 
     def begin_step(self, seq_ids: tuple[int, ...] | list[int], num_new: int) -> Step:
@@ -398,16 +400,17 @@ class KVCache(abc.ABC):
         n, P = k.shape[1], self.page_size
         if self.length(seq_id) % P:
             raise ValueError(f"load_pages: sequence {seq_id} ends inside a page ({self.length(seq_id)} tokens)")
-        limit = self.max_step_tokens()
-        per_step = n if limit is None else max(1, limit // P)
-        for lo in range(0, n, per_step):
-            m = min(per_step, n - lo)
+        lo = 0
+        while lo < n:
+            limit = self.max_step_tokens()  # what fits next to the hot windows held now
+            m = min(n - lo, n if limit is None else max(1, limit // P))
             step = self.begin_step([seq_id], m * P)
             for layer in range(self.spec.num_layers):
                 # [m, KVH, P, D] -> [1, KVH, m * P, D]: the step's new tokens in order
                 self.write(step, layer, k[layer, lo:lo + m].permute(1, 0, 2, 3).reshape(1, k.shape[2], m * P, -1),
                            v[layer, lo:lo + m].permute(1, 0, 2, 3).reshape(1, v.shape[2], m * P, -1))
             self.end_step(step)
+            lo += m
 
     def write(self, step: Step, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the open step's new K/V of one layer ([B, KVH, T, D]) without attending."""

@@ -193,7 +193,7 @@ def prefill(model: Llama, cache: KVCache, seq_id: int, tokens: torch.Tensor, *, 
     """
     outs = []
     n = tokens.shape[0]
-    limit = cache.max_step_tokens()
+    limit = cache.max_step_tokens(fixed=True)  # one chunk size for the whole prompt
     if limit is not None:
         chunk_size = min(chunk_size, limit)
     for lo in range(0, n, chunk_size):

@@ -233,12 +233,12 @@ class Engine:
     def _run(self, step: ScheduledStep) -> list[TokenEvent]:
         events: list[TokenEvent] = []
         # the scheduler sizes chunks to the KV budget; each forward call also keeps the cache's own
-        # per-step limit (new pages must fit next to every sequence's hot window)
-        limit = self.cache.max_step_tokens()
+        # limit (new pages must fit next to the hot windows held when it starts)
         t_start = self.clock()
         for req, n in step.prefills:
             try:
                 while n > 0:  # the cache may take fewer tokens per forward call than the chunk
+                    limit = self.cache.max_step_tokens()
                     k = n if limit is None else min(n, limit)
                     self._slots([req.seq_id], k)
                     lo = req.computed

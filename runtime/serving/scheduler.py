@@ -158,19 +158,24 @@ class Scheduler:
             return self.cache.reserve_pages(self.final_tokens(req))
         return 0
 
-    def _need(self, req: Request, new: int) -> int:
-        """Device pages ``req`` holds after feeding ``new`` more tokens (while it writes them)."""
+    def _need(self, req: Request, new: int, *, committed: bool = True) -> int:
+        """Device pages ``req`` holds after feeding ``new`` more tokens (while it writes them);
+        ``committed``: at least what it was admitted with while it prefills its prompt."""
         now, after = req.computed, req.computed + new
-        prompt = len(req.tokens) if req.to_feed > 1 else None  # prefilling: what it was admitted with
+        prompt = len(req.tokens) if committed and req.to_feed > 1 else None
         return max(self.cache.device_pages(now, after, prompt=prompt), self._reserved(req))
 
     def device_need(self, plan: dict[Request, int] | None = None, extra: Request | None = None,
-                    extra_new: int = 0) -> int:
-        """Device pages the running requests (and ``extra``) need after feeding ``plan``'s tokens."""
+                    extra_new: int = 0, *, committed: bool = True) -> int:
+        """Device pages the running requests (and ``extra``) need after feeding ``plan``'s tokens:
+        ``committed`` (admission), with what each prefilling request was admitted with; else
+        (a step's plan) what each holds while the step runs — a request admitted but not
+        prefilled yet holds nothing, and the one prefilling may use that room for its chunk
+        (its pages past the hot window leave the device when the chunk is in)."""
         plan = plan or {}
-        total = sum(self._need(r, plan.get(r, 0)) for r in self.running)
+        total = sum(self._need(r, plan.get(r, 0), committed=committed) for r in self.running)
         if extra is not None:
-            total += self._need(extra, extra_new)
+            total += self._need(extra, extra_new, committed=committed)
         return total
 
     def _host_need(self, extra: Request | None = None) -> int:
@@ -231,8 +236,9 @@ class Scheduler:
         return bool(self.waiting or self.paused or self.running)
 
     # ------------------------------------------------------------------ one step
-    def _fits(self, plan: dict[Request, int], extra: Request | None = None, extra_new: int = 0) -> bool:
-        return self.capacity is None or self.device_need(plan, extra, extra_new) <= self.capacity
+    def _fits(self, plan: dict[Request, int], extra: Request | None = None, extra_new: int = 0, *,
+              committed: bool = True) -> bool:
+        return self.capacity is None or self.device_need(plan, extra, extra_new, committed=committed) <= self.capacity
 
     def _admissible(self, req: Request) -> bool:
         """Whether a waiting request fits next to the running ones: its reservation, or (optimistic)
@@ -306,7 +312,7 @@ class Scheduler:
             if self._decoding(req) and left >= 1:
                 plan[req] = 1
                 left -= 1
-        while not self._fits(plan):  # growth beyond the budget: preempt the newest
+        while not self._fits(plan, committed=False):  # growth beyond the budget: preempt the newest
             victim = max((r for r in self.running), key=lambda r: r.admitted_at)
             if len(self.running) == 1:
                 raise KVCacheFullError(f"request {victim.request_id} alone needs more KV than the budget holds")
@@ -318,7 +324,7 @@ class Scheduler:
             if req in plan or self._decoding(req) or self._waits_for_prefix(req):
                 continue
             n = int(min(req.to_feed, self.config.prefill_chunk, left))
-            while n > 0 and not self._fits({**plan, req: n}):  # shrink the chunk to what fits
+            while n > 0 and not self._fits({**plan, req: n}, committed=False):  # shrink the chunk to what fits
                 n = n - self.page_size if n > self.page_size else 0
             if n <= 0:
                 continue

@@ -149,15 +149,22 @@ class TieredKVCache(KVCache):
         return hot_page_count(tokens, self.page_size, w.sink_tokens, w.recent_tokens)
 
     def device_pages(self, tokens_now: int, tokens_after: int, *, prompt: int | None = None) -> int:
-        """A running sequence holds its hot window (T0) on the device, and the new pages it
-        writes while it writes them; while it prefills its prompt, what it was admitted with."""
+        """A running sequence holds its hot window (T0) on the device, and a new page while it
+        writes one: the engine feeds a chunk in forward calls whose new pages fit next to the
+        hot windows held (:meth:`max_step_tokens`), so a chunk needs one page of room to make
+        progress, whatever its length. While it prefills its prompt, at least the hot window it
+        will hold once its prompt is in (reserved from its admission on)."""
         P = self.page_size
-        grown = self._hot(tokens_now) + -(-tokens_after // P) - -(-tokens_now // P)
+        grown = self._hot(tokens_now) + min(1, -(-tokens_after // P) - -(-tokens_now // P))
         held = max(self._hot(tokens_after), grown)
-        return held if prompt is None else max(held, self.admission_pages(prompt, 0))
+        return held if prompt is None else max(held, self._hot(prompt + 1))
 
     def admission_pages(self, prompt: int, first_chunk: int) -> int:
-        """Its hot window once its prompt is in, and a page to write into."""
+        """Its hot window once its prompt is in (the page its first decode writes included), and
+        one page more: a prefill chunk that crosses into a new page while the hot window is
+        full needs it. Only the newest admission keeps that page free, so the requests admitted
+        share one page of headroom (:meth:`device_pages` reserves the hot window alone): every
+        prefill can make progress, and the hot windows alone may fill the budget."""
         return self._hot(prompt + 1) + 1
 
     def reserve_pages(self, tokens: int) -> int:
@@ -317,13 +324,21 @@ class TieredKVCache(KVCache):
         """Device-resident K/V bytes (T0 + T1 + T2)."""
         return self.mgr.resident_bytes()
 
-    def max_step_tokens(self) -> int | None:
-        """The most new tokens one step may bring while residency stays within the
-        device budget (new pages must fit next to T0 of the other sequences)."""
+    def max_step_tokens(self, *, fixed: bool = False) -> int | None:
+        """The most new tokens one forward call may bring while residency stays within the
+        device budget: its new pages fit next to the hot windows the open sequences hold now
+        (one admitted but not prefilled yet holds none, a paused one none); ``fixed``: next to
+        a full hot window (T0) of every open sequence, a limit that holds whatever their
+        lengths become (the evaluation's prefill feeds a whole prompt in chunks of that size)."""
         cap = self.mgr.resident_cap
         if cap is None:
             return None
-        return max(1, (cap - self.config.t0_pages * max(1, self.mgr.num_sequences)) * self.config.page_size)
+        t = self.mgr.table
+        if fixed:
+            hot = self.config.t0_pages * max(1, self.mgr.num_sequences)
+        else:
+            hot = sum(self._hot(t.seq_len[s]) for s in t.seq_pages if s not in t.paused)
+        return max(1, (cap - hot) * self.config.page_size)
 
     # ------------------------------------------------------------------ steps
     def begin_step(self, seq_ids, num_new: int) -> Step:

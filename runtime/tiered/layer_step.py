@@ -347,8 +347,10 @@ class LayerStep:
         listed page read where it is — the device pool by slot, the warm pool encoded (4-bit codes
         decoded inside the kernel) — and only the pages off the device (host, disk, exact reads;
         warm pages too where the op cannot read the warm pool: a ladder, decoded copies, another
-        codec) read by the manager's one reader into a small extra batch; an unselected page is
-        not read at all. Nothing gathered, no compaction: (out, mass [B, M]) as
+        codec) read by the manager's one reader into a small extra batch — or, when every one of
+        them is a host page and the host pool shares the device pool's memory and dtype (the
+        CPU), read where it lies in the host pool, the link's copy counted but not made; an
+        unselected page is not read at all. Nothing gathered, no compaction: (out, mass [B, M]) as
         :meth:`gather_and_attend`'s, or ``None`` where the op does not apply."""
         mgr, t, plan = self.mgr, self.mgr.table, self.plan
         B, M = plan.batch, plan.width
@@ -370,19 +372,23 @@ class LayerStep:
         other = att & ~on_dev & (kind == POOL)
         if bool(other.any()):
             rows, cols = other.nonzero(as_tuple=True)
-            n = len(rows)
-            ek = torch.empty((n, *pool_k.shape[1:]), dtype=pool_k.dtype, device=pool_k.device)
-            ev = torch.empty_like(ek)
-
-            def put(idx: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> None:
-                ek.index_copy_(0, idx, ks)
-                ev.index_copy_(0, idx, vs)
-
-            ex = False if exact is None else exact[rows, cols]
-            mgr.read_pages_into(layer, self.recs.cpu()[rows, cols], pool_k.dtype, put, exact=ex)
+            recs, ex = self.recs.cpu()[rows, cols], False if exact is None else exact[rows, cols]
             kind[rows, cols] = EXTRA
-            slot[rows, cols] = torch.arange(n)
-            kw.update(extra_k=ek, extra_v=ev)
+            hslot = mgr.host_slots_in_place(layer, recs, exact=ex, like=pool_k)
+            if hslot is not None:  # every one on the host, in the device pool's memory: read where it lies
+                slot[rows, cols] = hslot
+                kw.update(extra_k=mgr.host.k[layer], extra_v=mgr.host.v[layer])
+            else:
+                ek = torch.empty((len(rows), *pool_k.shape[1:]), dtype=pool_k.dtype, device=pool_k.device)
+                ev = torch.empty_like(ek)
+
+                def put(idx: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> None:
+                    ek.index_copy_(0, idx, ks)
+                    ev.index_copy_(0, idx, vs)
+
+                mgr.read_pages_into(layer, recs, pool_k.dtype, put, exact=ex)
+                slot[rows, cols] = torch.arange(len(rows))
+                kw.update(extra_k=ek, extra_v=ev)
         if heads is None and attended is self.valid:  # every page: the same keys in every layer
             allowed = self.allowed_all(1, pool_k.shape[2])
         else:

@@ -118,13 +118,17 @@ class Transfers:
             self.h2d_stream = torch.cuda.Stream(self.device)
             self.d2h_stream = torch.cuda.Stream(self.device)
 
+    def count_to_device(self, pages: int, nbytes: int) -> None:
+        """Count one batched host -> device copy of ``pages`` pages (``nbytes`` bytes)."""
+        self.stats.h2d_copies += 1
+        self.stats.h2d_pages += pages
+        self.stats.h2d_bytes += nbytes
+
     def to_device(self, *tensors: torch.Tensor, dtype: torch.dtype, pages: int) -> list[torch.Tensor]:
         """Host tensors (the K and V of ``pages`` pages) on the device as ``dtype``, in one copy."""
         if not tensors:
             return []
-        self.stats.h2d_copies += 1
-        self.stats.h2d_pages += pages
-        self.stats.h2d_bytes += sum(t.numel() for t in tensors) * torch.empty(0, dtype=dtype).element_size()
+        self.count_to_device(pages, sum(t.numel() for t in tensors) * torch.empty(0, dtype=dtype).element_size())
         if not self.cuda:
             return [t.to(self.device, dtype) for t in tensors]
         compute = torch.cuda.current_stream(self.device)

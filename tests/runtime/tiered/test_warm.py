@@ -330,20 +330,28 @@ WIDE = tiny_model(seed=5, head_dim=64, num_heads=6, num_kv_heads=2)  # head dim 
     dict(codec="int4", page_size=16, warm_ladder="int2:0.5"),  # a ladder: warm pages through the reader
     dict(codec="int4", page_size=16, keep_decoded_warm=True),  # decoded copies: through the reader
     dict(codec="fp8", page_size=16),  # a codec the op does not read encoded
+    dict(codec="int4", page_size=16, host_budget="10%", disk=True),  # pages on disk: through the reader
 ], ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
-def test_decode_op_equals_the_gathering_path(setup, monkeypatch):
+def test_decode_op_equals_the_gathering_path(setup, monkeypatch, tmp_path):
     """A bound budget's decode layers through the CPU op (``LayerStep.attend_in_place``: pages
     read where they are) give the logits, the selections and the page masses of the gathering
     path (``set_cpu_attention("torch")``: gather, decode, ``attend_pages``) to float32 rounding,
-    with warm pages read encoded or through the reader, exact reads, kv-head selection, masked
-    mode; and the op is what ran."""
+    with warm pages read encoded or through the reader, exact reads (host pages read where they
+    lie), pages on disk, kv-head selection, masked mode; and the op is what ran."""
     import tieredkv.runtime.tiered.layer_step as layer_step
     from tieredkv.models.cpu_attention import set_cpu_attention, tiered_attention_op
+    from tieredkv.runtime.tiered.moves import PageMoves
 
     if tiered_attention_op() is None:
         pytest.skip("the CPU op could not be built here")
     setup = dict(setup)
     codec, page_size, keep = setup.pop("codec"), setup.pop("page_size"), setup.pop("keep_decoded_warm", False)
+    if setup.pop("disk", False):
+        setup["disk_path"] = str(tmp_path)  # a directory: each cache makes its own file
+    in_place = []  # per call of the op with pages off the device: whether they were read in the host pool
+    host_slots = PageMoves.host_slots_in_place
+    monkeypatch.setattr(PageMoves, "host_slots_in_place",
+                        lambda *a, **k: (lambda r: in_place.append(r is not None) or r)(host_slots(*a, **k)))
     small = {**SMALL, "page_size": page_size}
     tokens = torch.randint(0, 512, (400,), generator=torch.Generator().manual_seed(11))
     calls = []
@@ -368,6 +376,10 @@ def test_decode_op_equals_the_gathering_path(setup, monkeypatch):
             set_cpu_attention("paged")
     (got, got_rec, n_op), (want, want_rec, n_after) = runs["paged"], runs["torch"]
     assert n_op > 0 and n_after == n_op  # the op ran on the op's backend only
+    if "warm_exact_reads" in setup:  # exact reads of warm pages: their host copies, read where they lie
+        assert any(in_place)
+    if "disk_path" in setup:  # pages on disk: copied by the reader
+        assert not all(in_place)
     assert cache.metrics.pages_per_tier["T2w"] > 0 and cache.metrics.warm_reads > 0  # warm pages were attended
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert len(got_rec) == len(want_rec) == 30
