@@ -30,8 +30,8 @@ from tieredkv.errors import ConfigError
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
 BACKENDS = ("paged", "torch")
-FLAGS = ["-O3", "-march=native", "-ffast-math"]
-LDFLAGS = ["-lmvec"]  # glibc's vector math: the exponentials of the softmax
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+LDFLAGS = ["-lmvec", "-fopenmp"]  # glibc's vector math (the softmax's exponentials); OpenMP: torch's own runtime
 _STATE: dict = {"backend": "paged", "op": None, "tried": False, "error": None}
 
 

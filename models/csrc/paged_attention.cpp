@@ -266,8 +266,10 @@ void softmax(const Task& t) {
     float mx = kMasked;
     for (int64_t s = 0; s < t.S; ++s) mx = std::max(mx, pr[s]);
     float sum = 0.f;
-    for (int64_t s = 0; s < t.S; ++s) {  // a masked key: exp(-1e30 - max) is 0
-      const float e = std::exp(pr[s] - mx);
+    for (int64_t s = 0; s < t.S; ++s) {
+      // a masked key's probability is 0; the argument is kept in the exponential's normal range
+      // (the vector exponential takes a slow scalar path for a lane that underflows)
+      const float e = pr[s] == kMasked ? 0.f : std::exp(std::max(pr[s] - mx, -87.f));
       pr[s] = e;
       sum += e;
     }
