@@ -90,6 +90,12 @@ def tiered_attention_op():
     return None if decode_attention_op() is None else torch.ops.tieredkv_cpu.tiered_decode_attention
 
 
+def relevance_op():
+    """ImportanceScore's relevance by share over a layer's page summaries read by record (the
+    selection's ranking with the default weights), or ``None`` as :func:`decode_attention_op`."""
+    return None if decode_attention_op() is None else torch.ops.tieredkv_cpu.page_relevance
+
+
 def prepare(device: torch.device | str, dtype: torch.dtype, log=None) -> None:
     """Build (or load) the op before the first decode step where a model will use it (float32
     on the CPU), so the build's time is not a decode step's; says so through ``log`` when that

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -517,14 +518,80 @@ std::tuple<at::Tensor, at::Tensor> tiered_decode_attention(at::Tensor q, at::Ten
   return {out, mass};
 }
 
+// ImportanceScore's relevance by share (plugins/importance_score.py, weights (1, 0, 0), aggregate
+// "share") of a decode step's listed pages, reading the layer's page summaries by record: per
+// query head h, the bound of page m's logit ub = scale * sum_d max(q_d kmin_d, q_d kmax_d) (the
+// page's kv head) + log(max(tokens, 1)); its softmax over the competing pages (mask); each page's
+// largest share over the heads, divided by the row's largest (0 where no page competes).
+// q [B, H, D]; kmin, kmax [R, KVH, D] (one layer's summaries); recs [B, M] int64 in [0, R);
+// tokens [B, M] float; mask [B, M] bool. Returns [B, M], 0 for a page that does not compete.
+at::Tensor page_relevance(at::Tensor q, at::Tensor kmin, at::Tensor kmax, at::Tensor recs, at::Tensor tokens,
+                          at::Tensor mask, double scale) {
+  check(q, "q", 3, at::kFloat);
+  check(kmin, "kmin", 3, at::kFloat);
+  check(kmax, "kmax", 3, at::kFloat);
+  check(recs, "recs", 2, at::kLong);
+  check(tokens, "tokens", 2, at::kFloat);
+  check(mask, "mask", 2, at::kBool);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), R = kmin.size(0), KVH = kmin.size(1), M = recs.size(1);
+  TORCH_CHECK(kmax.sizes() == kmin.sizes() && kmin.size(2) == D, "kmin and kmax must be [R, KVH, D] with q's head dim");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "q heads ", H, " must be a multiple of kv heads ", KVH);
+  TORCH_CHECK(recs.size(0) == B && tokens.sizes() == recs.sizes() && mask.sizes() == recs.sizes(),
+              "recs, tokens and mask must be [B, M] with q's B");
+  const int64_t* rc = recs.data_ptr<int64_t>();
+  const bool* mk = mask.data_ptr<bool>();
+  for (int64_t i = 0; i < B * M; ++i)
+    TORCH_CHECK(!mk[i] || (rc[i] >= 0 && rc[i] < R), "page record ", rc[i], " outside the summaries (", R, " rows)");
+  auto out = at::zeros({B, M}, q.options());
+  const float *qp = q.data_ptr<float>(), *lo = kmin.data_ptr<float>(), *hi = kmax.data_ptr<float>();
+  const float* tk = tokens.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t G = H / KVH;
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> ub(M), share(M);
+    for (int64_t b = begin; b < end; ++b) {
+      const bool* valid = mk + b * M;
+      if (std::none_of(valid, valid + M, [](bool v) { return v; })) continue;
+      std::fill(share.begin(), share.end(), 0.f);
+      for (int64_t h = 0; h < H; ++h) {
+        const float* qh = qp + (b * H + h) * D;
+        float mx = -std::numeric_limits<float>::max();
+        for (int64_t m = 0; m < M; ++m) {
+          if (!valid[m]) continue;
+          const int64_t row = (rc[b * M + m] * KVH + h / G) * D;
+          float acc = 0.f;
+          for (int64_t d = 0; d < D; ++d) acc += std::max(qh[d] * lo[row + d], qh[d] * hi[row + d]);
+          ub[m] = acc * sc + std::log(std::max(tk[b * M + m], 1.f));
+          mx = std::max(mx, ub[m]);
+        }
+        float sum = 0.f;
+        for (int64_t m = 0; m < M; ++m) {
+          if (!valid[m]) continue;
+          ub[m] = std::exp(std::max(ub[m] - mx, -87.f));
+          sum += ub[m];
+        }
+        for (int64_t m = 0; m < M; ++m)
+          if (valid[m]) share[m] = std::max(share[m], ub[m] / sum);
+      }
+      const float top = std::max(*std::max_element(share.begin(), share.end()), 1e-30f);
+      for (int64_t m = 0; m < M; ++m) op[b * M + m] = valid[m] ? share[m] / top : 0.f;
+    }
+  });
+  return out;
+}
+
 TORCH_LIBRARY(tieredkv_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor pool_k, Tensor pool_v, Tensor pages, Tensor allowed, float scale) "
         "-> Tensor");
   m.def("tiered_decode_attention(Tensor q, Tensor pool_k, Tensor pool_v, Tensor extra_k, Tensor extra_v, "
         "Tensor warm, int[] warm_codec, Tensor kind, Tensor slot, Tensor allowed, float scale) -> (Tensor, Tensor)");
+  m.def("page_relevance(Tensor q, Tensor kmin, Tensor kmax, Tensor recs, Tensor tokens, Tensor mask, float scale) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tieredkv_cpu, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("tiered_decode_attention", &tiered_decode_attention);
+  m.impl("page_relevance", &page_relevance);
 }

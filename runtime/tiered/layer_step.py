@@ -37,6 +37,7 @@ import torch
 
 from tieredkv.models.cache import (EXTRA, POOL, WARM, attention, decode_op_applies, gather_pages,
                                    pool_decode_attention, tiered_decode_attention, tiered_in_place)
+from tieredkv.models.cpu_attention import relevance_op
 from tieredkv.plugins.importance_score import (RELEVANCE_ONLY, distance_bucket, importance_score, mix,
                                                relevance_and_ranking)
 from tieredkv.plugins.select_pages import ATTEND_ALL, select_pages
@@ -153,6 +154,13 @@ class LayerStep:
         #: a decode step through the CPU op (:meth:`attend_in_place`): the warm pool's layout for the
         #: op where it reads the warm pages encoded, () where warm pages go through the reader; None: no op
         self.in_place = tiered_in_place(mgr, self.dev) if self.decode else None
+        #: the selection ranks by relevance alone, by share (the default): the CPU op computes it from
+        #: the layer's summaries read by record (:meth:`rank`); None: the PyTorch reference
+        self.relevance_op = None
+        sel = config.selection
+        if (self.decode and self.dev.type == "cpu" and t.kmin.dtype == torch.float32
+                and tuple(sel.weights) == RELEVANCE_ONLY and sel.aggregate == "share"):
+            self.relevance_op = relevance_op()
         self.ran = False  # a layer attended (or an engine's graph ran): the step has something to record
         self.moves_inside = cache._speculate  # a layer-ahead prefetch may move pages during the step
         # nothing to do: no selection, every page full precision on the device, room for the next
@@ -268,6 +276,12 @@ class LayerStep:
         """(the relevance [B, M], the selection ranking) of the listed pages under q [B, H, D]:
         the relevance is estimated among the pages that compete for the budget (T0 is attended
         anyway, and its sink pages would dominate the normalization)."""
+        if self.relevance_op is not None and q.dtype == torch.float32 and not (torch.is_grad_enabled()
+                                                                             and q.requires_grad):
+            t = self.mgr.table
+            rel = self.relevance_op(q.contiguous(), t.kmin[layer], t.kmax[layer], self.recs, self.tokens.float(),
+                                    self.candidates.bool(), q.shape[-1] ** -0.5)
+            return rel, rel
         selection = self.cache.config.selection
         return relevance_and_ranking(*self.score_inputs(layer, q), selection.weights, aggregate=selection.aggregate)
 

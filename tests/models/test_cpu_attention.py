@@ -182,3 +182,50 @@ def test_tiered_variant_refuses_bad_pages():
         tiered_decode_attention(q, pool_k, pool_v, torch.ones_like(kind), slot.clamp(max=0), allowed,
                                 **{**kw, "warm": kw["warm"][:, :1000].contiguous()})
     assert warm_codec_args(__import__("tieredkv.plugins.codec", fromlist=["CODECS"]).CODECS["fp8"], 3, 16, 64) is None
+
+
+# (sequences, query heads, kv heads, head dim, listed pages, summary rows): awkward sizes
+RELEVANCE_SHAPES = [(1, 1, 1, 5, 1, 3), (3, 6, 2, 7, 13, 40), (16, 9, 3, 64, 34, 200), (2, 4, 4, 128, 5, 9),
+                    (5, 8, 1, 48, 17, 20)]
+
+
+@needs_op
+@pytest.mark.parametrize("shape", RELEVANCE_SHAPES, ids=lambda s: "b{}-h{}-kvh{}-d{}-m{}-r{}".format(*s))
+def test_page_relevance_matches_importance_score(shape):
+    """The selection's default ranking (relevance by share) computed from a layer's summaries read
+    by record equals ImportanceScore with RELEVANCE_ONLY over the gathered summaries, including
+    rows where no page competes, pages with no token and repeated records."""
+    from tieredkv.models.cpu_attention import relevance_op
+    from tieredkv.plugins.importance_score import RELEVANCE_ONLY, importance_score
+
+    b, h, kvh, d, m, r = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    q = torch.randn(b, h, d, generator=gen) * 3
+    x, y = torch.randn(r, kvh, d, generator=gen), torch.randn(r, kvh, d, generator=gen)
+    kmin, kmax = torch.minimum(x, y), torch.maximum(x, y)
+    recs = torch.randint(0, r, (b, m), generator=gen)
+    tokens = torch.randint(0, 17, (b, m), generator=gen)
+    mask = torch.rand(b, m, generator=gen) > 0.3
+    if b > 1:
+        mask[-1] = False  # a row with no competing page: all zeros
+    got = relevance_op()(q, kmin, kmax, recs, tokens.float(), mask, d ** -0.5)
+    zeros = torch.zeros(b, m)
+    want = importance_score(q, kmin[recs], kmax[recs], tokens, zeros.long(), zeros, mask, torch.ones(4), RELEVANCE_ONLY)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[~mask], torch.zeros(int((~mask).sum())))
+
+
+@needs_op
+def test_page_relevance_refuses_bad_arguments():
+    from tieredkv.models.cpu_attention import relevance_op
+
+    op, q = relevance_op(), torch.randn(2, 4, 8)
+    kmin = torch.zeros(5, 2, 8)
+    ok = (torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool))
+    op(q, kmin, kmin, *ok, 0.5)
+    with pytest.raises(RuntimeError, match="outside the summaries"):
+        op(q, kmin, kmin, torch.full((2, 3), 5), *ok[1:], 0.5)
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        op(torch.randn(2, 3, 8), kmin, kmin, *ok, 0.5)
+    with pytest.raises(RuntimeError, match="recs, tokens and mask"):
+        op(q, kmin, kmin, ok[0], torch.ones(2, 4), ok[2], 0.5)
