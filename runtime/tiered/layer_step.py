@@ -151,6 +151,7 @@ class LayerStep:
         self.exact_choice = (mgr.exact_read_choice(slice(None), plan.recs, n_exact, plan.valid).to(dev)
                              if n_exact else None)
         self._allowed_all = None  # the keys every query may see when a layer attends every page
+        self._inside = None  # of those, [B, M, P] (a decode step through the CPU op)
         #: a decode step through the CPU op (:meth:`attend_in_place`): the warm pool's layout for the
         #: op where it reads the warm pages encoded, () where warm pages go through the reader; None: no op
         self.in_place = tiered_in_place(mgr, self.dev) if self.decode else None
@@ -403,11 +404,12 @@ class LayerStep:
                 mgr.read_pages_into(layer, recs, pool_k.dtype, put, exact=ex)
                 slot[rows, cols] = torch.arange(len(rows))
                 kw.update(extra_k=ek, extra_v=ev)
-        if heads is None and attended is self.valid:  # every page: the same keys in every layer
-            allowed = self.allowed_all(1, pool_k.shape[2])
-        else:
-            page_mask = attended if heads is None else heads & attended.unsqueeze(1)
-            allowed = allowed_keys(page_mask, self.index, self.seq_len, self.past, 1, pool_k.shape[2])
+        # the keys each query may see: those inside its sequence (every layer's, once per step) of
+        # the pages attended — allowed_keys's mask, without rebuilding the positions per layer
+        if self._inside is None:
+            self._inside = self.allowed_all(1, pool_k.shape[2]).view(B, M, -1)
+        page_mask = att.unsqueeze(1) if heads is None else heads.cpu() & att.unsqueeze(1)  # [B, 1 or KVH, M]
+        allowed = self._inside.unsqueeze(1) & page_mask.unsqueeze(-1)  # [B, 1 or KVH, M, P]
         return tiered_decode_attention(q, pool_k, pool_v, kind, slot, allowed.view(B, allowed.shape[1], -1), **kw)
 
     # ------------------------------------------------------------------ the step's end
