@@ -23,8 +23,11 @@ pages), with the cache's own arithmetic (``KVCache.device_pages`` and its kin �
 sees the cache through the serving interface only). What a running request needs on the device:
   * paged cache: every page of its tokens;
   * tiered cache: its hot window only (T0: sink pages, recent window, the page being
-    written) — the rest of its pages may live on the host and disk. A prefill chunk also
-    needs its new pages on the device while it is written.
+    written) — the rest of its pages may live on the host and disk. Admission counts what each
+    request is committed to (a prefilling request its hot window to come); a step's plan what
+    each holds while the step runs (nothing yet for one not prefilled; a prefill chunk one page
+    beyond its hot window, the engine feeding it in forward calls that fit:
+    ``KVCache.max_step_tokens``), so the room of requests not started serves the one prefilling.
 Admission policies (``admission``):
   * ``contiguous``: reserve the model's full context per request, as a contiguous
     max-length preallocation does (the baseline of the design note; paged cache only);
