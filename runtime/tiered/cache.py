@@ -352,7 +352,7 @@ class TieredKVCache(KVCache):
         kt = k.transpose(1, 2).reshape(-1, *k.shape[1:2], k.shape[-1])  # [B*T, KVH, D] in (b, t) order
         vt = v.transpose(1, 2).reshape(-1, *v.shape[1:2], v.shape[-1])
         slots = self.layers.write_slots[layer]
-        if self.layers.new_keys is not None:  # nothing reads the summaries before the step ends
+        if self.layers.new_keys is not None:  # a decode step: nothing reads the summaries before it ends
             self.mgr.append_tokens(layer, self.plan, kt, vt, slots)
             self.layers.new_keys[layer] = kt
             return

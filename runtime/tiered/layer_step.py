@@ -152,6 +152,7 @@ class LayerStep:
                              if n_exact else None)
         self._allowed_all = None  # the keys every query may see when a layer attends every page
         self._inside = None  # of those, [B, M, P] (a decode step through the CPU op)
+        self._select_args: dict = {}  # select_pages's masks and budgets by (rows per sequence, budget)
         #: a decode step through the CPU op (:meth:`attend_in_place`): the warm pool's layout for the
         #: op where it reads the warm pages encoded, () where warm pages go through the reader; None: no op
         self.in_place = tiered_in_place(mgr, self.dev) if self.decode else None
@@ -173,9 +174,11 @@ class LayerStep:
         self.rec = StepRecord.empty(L, plan)
         for name in ("selected", "attended", "relevance", "mass"):
             setattr(self.rec, name, getattr(self.rec, name).to(dev))
-        #: a decode step that measures nothing stores its keys' summaries at its end, for every layer
-        #: at once (``TieredKVCache.end_step``): layer -> the new keys [B, KVH, D]
-        self.new_keys: dict[int, torch.Tensor] | None = {} if self.decode and not self.measure else None
+        #: a decode step stores its keys' summaries at its end, for every layer at once
+        #: (``TieredKVCache.end_step``): layer -> the new keys [B, KVH, D]. Nothing reads them sooner:
+        #: each sequence writes into its last page, which is in T0 — attended whatever its summary,
+        #: never among the pages the ranking scores — and the step's record reads the saliency at the end
+        self.new_keys: dict[int, torch.Tensor] | None = {} if self.decode else None
         self.slots = None  # nothing to measure: every layer's device slots of the listed pages, [L, B, M]
         if not self.measure:
             self.slots = t.device_slot.index_select(1, plan.recs.flatten()).view(L, B, M).clamp(min=0).to(dev)
@@ -299,9 +302,11 @@ class LayerStep:
         m = score.shape[-1]
         rows = score.reshape(-1, m)
         per = rows.shape[0] // self.valid.shape[0]
-        valid = self.valid.repeat_interleave(per, dim=0)
-        t0 = self.t0.repeat_interleave(per, dim=0)
-        picked = select_pages(rows, valid, t0, torch.full((rows.shape[0],), budget, device=rows.device))
+        key = (per, budget)  # the rows' masks and budgets: the same in every layer of the step
+        if key not in self._select_args:
+            self._select_args[key] = (self.valid.repeat_interleave(per, dim=0), self.t0.repeat_interleave(per, dim=0),
+                                      torch.full((rows.shape[0],), budget, device=rows.device))
+        picked = select_pages(rows, *self._select_args[key])
         return picked.reshape(score.shape)
 
     def where_attended(self, layer: int, selected: torch.Tensor) -> torch.Tensor:
