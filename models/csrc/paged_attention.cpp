@@ -36,6 +36,9 @@ namespace {
 // the logit of a key the query may not see: finite (the build assumes finite math), its
 // exponential 0 next to any real logit
 constexpr float kMasked = -1e30f;
+// The lowest argument given to the exponential: glibc's vector exponential takes a slow scalar path
+// for a lane that underflows (below about -87.3), and exp(-87) is already 0 next to a sum of at least 1.
+constexpr float kExpFloor = -87.f;
 
 float bf16(const uint8_t* p, int64_t i) {
   uint16_t b;
@@ -268,9 +271,8 @@ void softmax(const Task& t) {
     for (int64_t s = 0; s < t.S; ++s) mx = std::max(mx, pr[s]);
     float sum = 0.f;
     for (int64_t s = 0; s < t.S; ++s) {
-      // a masked key's probability is 0; the argument is kept in the exponential's normal range
-      // (the vector exponential takes a slow scalar path for a lane that underflows)
-      const float e = pr[s] == kMasked ? 0.f : std::exp(std::max(pr[s] - mx, -87.f));
+      // a masked key's probability is 0; the others' arguments stay in the exponential's range
+      const float e = pr[s] == kMasked ? 0.f : std::exp(std::max(pr[s] - mx, kExpFloor));
       pr[s] = e;
       sum += e;
     }
@@ -417,14 +419,17 @@ void run_tasks(const float* q, float* out, float* mass, const Sources& src, cons
 
 // The arguments both ops share: q [B, H, D] and a pool pair [C, KVH, P, D], float32, with q's head
 // dim and a whole number of query heads per kv head.
+void check_heads(int64_t H, int64_t KVH) {
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "q heads ", H, " must be a multiple of kv heads ", KVH);
+}
+
 void check_q_pool(const at::Tensor& q, const at::Tensor& pool_k, const at::Tensor& pool_v) {
   check(q, "q", 3, at::kFloat);
   check(pool_k, "pool_k", 4, at::kFloat);
   check(pool_v, "pool_v", 4, at::kFloat);
   TORCH_CHECK(pool_v.sizes() == pool_k.sizes(), "pool_v must have pool_k's shape");
   TORCH_CHECK(pool_k.size(3) == q.size(2), "pool head dim ", pool_k.size(3), " != q head dim ", q.size(2));
-  const int64_t KVH = pool_k.size(1);
-  TORCH_CHECK(KVH > 0 && q.size(1) % KVH == 0, "q heads ", q.size(1), " must be a multiple of kv heads ", KVH);
+  check_heads(q.size(1), pool_k.size(1));
 }
 
 void check_pages(const at::Tensor& slots, int64_t count, const char* what) {
@@ -535,7 +540,7 @@ at::Tensor page_relevance(at::Tensor q, at::Tensor kmin, at::Tensor kmax, at::Te
   check(mask, "mask", 2, at::kBool);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), R = kmin.size(0), KVH = kmin.size(1), M = recs.size(1);
   TORCH_CHECK(kmax.sizes() == kmin.sizes() && kmin.size(2) == D, "kmin and kmax must be [R, KVH, D] with q's head dim");
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "q heads ", H, " must be a multiple of kv heads ", KVH);
+  check_heads(H, KVH);
   TORCH_CHECK(recs.size(0) == B && tokens.sizes() == recs.sizes() && mask.sizes() == recs.sizes(),
               "recs, tokens and mask must be [B, M] with q's B");
   const int64_t* rc = recs.data_ptr<int64_t>();
@@ -568,7 +573,7 @@ at::Tensor page_relevance(at::Tensor q, at::Tensor kmin, at::Tensor kmax, at::Te
         float sum = 0.f;
         for (int64_t m = 0; m < M; ++m) {
           if (!valid[m]) continue;
-          ub[m] = std::exp(std::max(ub[m] - mx, -87.f));
+          ub[m] = std::exp(std::max(ub[m] - mx, kExpFloor));
           sum += ub[m];
         }
         for (int64_t m = 0; m < M; ++m)

@@ -163,6 +163,8 @@ class LayerStep:
         if (self.decode and self.dev.type == "cpu" and t.kmin.dtype == torch.float32
                 and tuple(sel.weights) == RELEVANCE_ONLY and sel.aggregate == "share"):
             self.relevance_op = relevance_op()
+            if self.relevance_op is not None:  # its page inputs, the same in every layer of the step
+                self._relevance_pages = (self.recs, self.tokens.float(), self.candidates.bool())
         self.ran = False  # a layer attended (or an engine's graph ran): the step has something to record
         self.moves_inside = cache._speculate  # a layer-ahead prefetch may move pages during the step
         # nothing to do: no selection, every page full precision on the device, room for the next
@@ -283,8 +285,8 @@ class LayerStep:
         if self.relevance_op is not None and q.dtype == torch.float32 and not (torch.is_grad_enabled()
                                                                              and q.requires_grad):
             t = self.mgr.table
-            rel = self.relevance_op(q.contiguous(), t.kmin[layer], t.kmax[layer], self.recs, self.tokens.float(),
-                                    self.candidates.bool(), q.shape[-1] ** -0.5)
+            rel = self.relevance_op(q.contiguous(), t.kmin[layer], t.kmax[layer], *self._relevance_pages,
+                                    q.shape[-1] ** -0.5)
             return rel, rel
         selection = self.cache.config.selection
         return relevance_and_ranking(*self.score_inputs(layer, q), selection.weights, aggregate=selection.aggregate)
