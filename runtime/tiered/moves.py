@@ -299,19 +299,42 @@ class PageMoves:
         return PageStats(t.last_access, t.frequency, t.importance, t.acc_mass, t.index.expand(self.L, -1), next_use)
 
     def _lowest(self, cand: torch.Tensor, prio: torch.Tensor, counts: torch.Tensor):
-        """The ``counts[l]`` lowest-priority candidates of each layer -> (layers, records)."""
-        counts = torch.minimum(counts, cand.sum(1))
+        """The ``counts[l]`` lowest-priority candidates of each layer -> (layers, records): a top-k
+        per layer, over the candidates alone when they are few (a step's wanted pages)."""
+        per = cand.sum(1)
+        counts = torch.minimum(counts, per)
         k = int(counts.max()) if len(counts) else 0
         if k == 0:
             return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
-        p = prio.float().masked_fill(~cand, INF)
+        width = int(per.max())
+        if 4 * width < cand.shape[1]:  # few per layer: packed into [L, width] (a layer's candidates in record order)
+            layers, recs = cand.nonzero(as_tuple=True)  # row-major: layer by layer
+            col = torch.arange(len(layers)) - (torch.cumsum(per, 0) - per)[layers]
+            p = torch.full((self.L, width), INF)
+            p[layers, col] = prio[layers, recs].float()
+            packed = torch.zeros(self.L, width, dtype=torch.long)
+            packed[layers, col] = recs
+        else:
+            p, packed = prio.float().masked_fill(~cand, INF), None
         order = torch.topk(p, k, dim=1, largest=False, sorted=True).indices  # [L, k]
         take = torch.arange(k).unsqueeze(0) < counts.unsqueeze(1)
         layers = torch.arange(self.L).unsqueeze(1).expand(-1, k)[take]
-        return layers, order[take]
+        return layers, (order if packed is None else packed.gather(1, order))[take]
 
     def _highest(self, cand: torch.Tensor, prio: torch.Tensor, counts: torch.Tensor):
         return self._lowest(cand, -prio, counts)
+
+    def _lowest_resident(self, prio: torch.Tensor, counts: torch.Tensor, protect: torch.Tensor | None):
+        """:meth:`_lowest` among :meth:`_candidates` (``prio``: [L, R]), ranked over the device
+        pool's slots ([L, S], S the resident pages) instead of every record: the same pages, a
+        quarter of the work at a 25 % budget."""
+        own = self.device.owner
+        cols = own.clamp(min=0)
+        cand = (own >= 0) & ~self.table.t0[cols]
+        if protect is not None:
+            cand &= ~protect.gather(1, cols)
+        layers, idx = self._lowest(cand, prio.gather(1, cols), counts)
+        return layers, cols[layers, idx]
 
     def _candidates(self, protect: torch.Tensor | None) -> torch.Tensor:
         """Full-precision resident pages that may leave the device: not T0, not ``protect``-ed."""
@@ -326,6 +349,6 @@ class PageMoves:
         free = self.resident_cap - self.device.used()
         short = (need - free).clamp(min=0)
         if short.any():
-            layers, recs = self._lowest(self._candidates(protect), self.policy.priority(self._stats()), short)
+            layers, recs = self._lowest_resident(self.policy.priority(self._stats()), short, protect)
             self.demote(layers, recs, protect)
         return torch.minimum(need, self.resident_cap - self.device.used())

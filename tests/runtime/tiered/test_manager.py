@@ -60,3 +60,59 @@ def test_tier_moves_are_bit_exact_property(dtype, page, layers, kvh, head_dim, p
     for (layer, rec), x in want.items():
         k, v = mgr.read_pages(torch.tensor([layer]), torch.tensor([rec]), dtype)
         assert torch.equal(k[0].view(bits), x[0].view(bits)) and torch.equal(v[0].view(bits), x[1].view(bits))
+
+
+@settings(max_examples=40, deadline=None)
+@given(layers=st.integers(1, 5), records=st.integers(1, 300), share=st.sampled_from([0.01, 0.1, 0.5, 1.0]),
+       seed=st.integers(0, 999))
+def test_lowest_picks_each_layers_lowest_priority_candidates(layers, records, share, seed):
+    """``_lowest`` (packed top-k over few candidates, dense top-k over many) returns, per layer, the
+    ``counts[l]`` candidates of lowest priority (distinct priorities: one right answer), never a
+    non-candidate, and ``_lowest_resident`` ranks the device pool's pages the same way."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = TieredKVConfig(page_size=4, sink_tokens=0, recent_tokens=4, staging_pages=1)
+    budgets = ResolvedBudgets(device_pages=None, host_pages=None, attention_pages=None, hot_key_pages=0,
+                              staging_pages=1)
+    mgr = TierManager(num_layers=layers, kv_heads=1, head_dim=1, dtype=torch.float32, config=cfg, budgets=budgets,
+                      policy=make_policy("lru"))
+    cand = torch.rand(layers, records, generator=gen) < share
+    prio = torch.randperm(layers * records, generator=gen).view(layers, records).float()  # distinct
+    counts = torch.randint(0, records + 2, (layers,), generator=gen)
+    got_l, got_r = mgr._lowest(cand, prio, counts)
+    assert bool(cand[got_l, got_r].all())
+    for layer in range(layers):
+        mine = got_r[got_l == layer]
+        want = torch.nonzero(cand[layer]).flatten()
+        want = want[torch.argsort(prio[layer, want])][: int(counts[layer])]
+        assert sorted(mine.tolist()) == sorted(want.tolist())
+    hl, hr = mgr._highest(cand, prio, counts)  # the highest: the lowest of the negated priorities
+    for layer in range(layers):
+        want = torch.nonzero(cand[layer]).flatten()
+        want = want[torch.argsort(-prio[layer, want])][: int(counts[layer])]
+        assert sorted(hr[hl == layer].tolist()) == sorted(want.tolist())
+
+
+def test_lowest_resident_ranks_the_device_pools_pages():
+    """Eviction candidates ranked over the device pool's slots: the same pages a top-k over every
+    record picks — resident, not T0, not protected."""
+    cfg = TieredKVConfig(page_size=4, sink_tokens=4, recent_tokens=4, staging_pages=1, policy="lru")
+    budgets = ResolvedBudgets(device_pages=None, host_pages=None, attention_pages=None, hot_key_pages=0,
+                              staging_pages=1)
+    mgr = TierManager(num_layers=2, kv_heads=1, head_dim=1, dtype=torch.float32, config=cfg, budgets=budgets,
+                      policy=make_policy("lru"))
+    mgr.add_sequence(0)
+    mgr.begin_step((0,), 40)  # 10 pages per layer, the sink page and the last two in T0
+    mgr.end_step(decode=False)
+    t = mgr.table
+    recs = mgr.records_of(0)
+    mgr.evict(torch.tensor([0, 1]), recs[torch.tensor([4, 5])])  # page 4 leaves layer 0, page 5 layer 1
+    gen = torch.Generator().manual_seed(3)
+    prio = torch.randperm(2 * t.capacity, generator=gen).view(2, t.capacity).float()
+    protect = torch.zeros(2, t.capacity, dtype=torch.bool)
+    protect[:, recs[3]] = True
+    counts = torch.tensor([3, 20])
+    got_l, got_r = mgr._lowest_resident(prio, counts, protect)
+    want_l, want_r = mgr._lowest(mgr._candidates(protect), prio, counts)
+    for layer in range(2):
+        assert sorted(got_r[got_l == layer].tolist()) == sorted(want_r[want_l == layer].tolist())
+    assert int((got_l == 1).sum()) == 6  # 10 pages, 3 in T0, one protected, one evicted

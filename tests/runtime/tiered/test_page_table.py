@@ -140,3 +140,24 @@ def test_hot_page_count_counts_the_hot_pages():
             want = [p for p, h in zip(pages, hot_pages(n, P, sink, recent).tolist()) if h]
             assert hot_records(pages, n, P, sink, recent) == want, (n, P, sink, recent)
             assert hot_records(pages[:-1], n, P, sink, recent) == [p for p in want if p in pages[:-1]]
+
+
+def test_reserve_grows_by_an_eighth_not_by_doubling():
+    """The table grows by what is missing and at least an eighth of its capacity: a long sequence
+    crossing a power of two does not double every per-step column op."""
+    t = PageTable(num_layers=2, kv_heads=1, head_dim=2, page_size=4)
+    assert t.capacity == 64 and len(t.free) == 64
+    t.reserve(10)
+    assert t.capacity == 64  # room already
+    t.reserve(100)
+    assert t.capacity == 128 and len(t.free) == 128  # 36 missing, grown by at least 64
+    t.reserve(300)
+    assert t.capacity == 300 and len(t.free) == 300  # 172 missing
+    for i in range(300):
+        t.new_record(i, 0)
+    t.new_record(300, 0)  # full: grows by max(1, 300 // 8, 64)
+    assert t.capacity == 364
+    for i in range(301, 1100):
+        t.new_record(i, 0)
+    assert 1100 <= t.capacity <= 1100 * 9 // 8 + 64
+    assert sorted(t.free + [r for r in range(t.capacity) if int(t.refs[r]) > 0]) == list(range(t.capacity))

@@ -1,0 +1,43 @@
+"""The branch-free mask operations against torch.where / Tensor.any: bit for bit."""
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from tieredkv.runtime.tiered.masks import any_, select_
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.float16, torch.int64, torch.int32, torch.bool]),
+       rows=st.integers(1, 7), cols=st.integers(1, 300), share=st.floats(0, 1), broadcast=st.booleans(),
+       seed=st.integers(0, 999))
+def test_select_equals_where_bit_for_bit(dtype, rows, cols, share, broadcast, seed):
+    gen = torch.Generator().manual_seed(seed)
+    size = torch.empty(0, dtype=dtype).element_size()
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+    info = torch.iinfo(bits)
+
+    def random():  # every bit pattern: NaNs, infinities, -0.0 and denormals included
+        x = torch.randint(info.min, info.max, (rows, cols), generator=gen, dtype=torch.int64).to(bits).view(dtype)
+        return (x.view(torch.uint8) & 1).bool() if dtype == torch.bool else x
+
+    out, values = random(), random()
+    mask = torch.rand((1 if broadcast else rows, cols), generator=gen) < share
+    want = torch.where(mask, values, out)
+    assert select_(out, mask, values) is out
+    assert torch.equal(out.view(bits), want.view(bits))
+
+
+def test_select_refuses_another_dtype():
+    import pytest
+
+    with pytest.raises(TypeError, match="float64"):
+        select_(torch.zeros(3), torch.ones(3, dtype=torch.bool), torch.ones(3, dtype=torch.float64))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 200), share=st.floats(0, 0.05), step=st.integers(1, 3), seed=st.integers(0, 99))
+def test_any_equals_torch_any(n, share, step, seed):
+    mask = torch.rand(2, n, generator=torch.Generator().manual_seed(seed)) < share
+    view = mask[:, ::step]  # strided too
+    assert any_(view) == bool(view.any())
+    assert any_(mask) == bool(mask.any())
