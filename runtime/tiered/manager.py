@@ -67,7 +67,7 @@ from tieredkv.plugins.tiered_attention import PAD_PAGE_INDEX
 from tieredkv.runtime.tiered.accounting import TierAccounting
 from tieredkv.runtime.tiered.budgets import ResolvedBudgets
 from tieredkv.runtime.tiered.config import TieredKVConfig
-from tieredkv.runtime.tiered.masks import any_, select_
+from tieredkv.runtime.tiered.masks import any_, count_, select_
 from tieredkv.runtime.tiered.metrics import TierMetrics
 from tieredkv.runtime.tiered.migration import WindowMigration
 from tieredkv.runtime.tiered.moves import PageMoves
@@ -501,7 +501,7 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
             need = selected & ~plan.t0
             flag(acc.needed, need)
             flag(acc.missing, need & ~resident & ~staged)
-            m.masked += int((selected & ~attended).sum())
+            m.masked += count_(selected & ~attended)
         streamed = attended & ~resident
         warm_read = attended & warm
         if rec.exact is not None:  # warm pages read from their exact copy (warm.exact_reads) are streamed
@@ -516,11 +516,11 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
             column.view(-1).scatter_reduce_(0, rows, kept(values), "amax")  # values >= 0, start at 0
         flag(acc.scored, keep)
         pages = attended & ~full & ~warm_read & ~staged  # streamed this step: [L, B, M]
-        per = pages.sum(-1)  # per layer and sequence
-        m.warm_reads += int(warm_read.sum())
+        per = torch.count_nonzero(pages, dim=-1)  # per layer and sequence
+        m.warm_reads += count_(warm_read)
         m.streamed_pages += int(per.sum())
         m.staging_rounds += int((-(-per // max(1, self.staging_pages))).sum())
-        self._count_h2d(int(per.sum()), int((pages & (at(t.host_slot) < 0)).sum()))
+        self._count_h2d(int(per.sum()), count_(pages & (at(t.host_slot) < 0)))
 
     def seq_access(self, seq: int) -> StepAccess:
         """The open step's access record of one sequence's pages: [L, M] columns."""
@@ -533,7 +533,7 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         t, m, access = self.table, self.metrics, self._access
         prefetch = self.prefetcher is not None or any_(t.staged)  # (only a prefetch stages or marks pages)
         measured = any_(access.scored)  # (a step that measured nothing leaves the importance as it was)
-        missed = int(access.missing.sum())  # (decode steps only; a subset of the pages needed)
+        missed = count_(access.missing)  # (decode steps only; a subset of the pages needed)
         if decode:
             self.step_no += 1
             m.decode_steps += 1
@@ -542,17 +542,17 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
             as_long = needed.to(torch.long)  # (adding a bool mask to a long column casts per element: 7x slower)
             t.frequency += as_long
             t.win_access += as_long
-            m.hits += int(access.needed.sum()) - missed
+            m.hits += count_(access.needed) - missed
             m.misses += missed
             if prefetch:
                 used = access.needed & (t.prefetched | t.staged)  # there because the prefetcher brought them in
-                m.prefetch_hits += int(used.sum())
+                m.prefetch_hits += count_(used)
                 t.prefetched &= ~used
             t.hist.bitwise_left_shift_(1).bitwise_and_(HIST_MASK).bitwise_or_(as_long)  # in place: no [L, R] copies
         else:
             m.prefill_steps += 1
         if prefetch:
-            m.prefetch_wasted += int((t.staged & ~access.needed).sum())  # staged for this step, not used by it
+            m.prefetch_wasted += count_(t.staged & ~access.needed)  # staged for this step, not used by it
         if measured:
             t.acc_mass += access.mass
             select_(t.last_relevance, access.scored, access.relevance)
@@ -565,7 +565,7 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         want = (access.missing | (access.needed & t.staged)) & (t.device_slot < 0) & t.alive.unsqueeze(0)
         t.staged.zero_()  # the staging area is the step's: what it held is adopted below or gone
         if any_(want):
-            need = want.sum(1)
+            need = torch.count_nonzero(want, dim=1)
             room = self._make_room(need, protect=access.needed | want)
             # room for every page wanted (the common case): no ranking; else the most important first
             fits = bool((room >= need).all())

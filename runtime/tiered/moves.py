@@ -301,7 +301,7 @@ class PageMoves:
     def _lowest(self, cand: torch.Tensor, prio: torch.Tensor, counts: torch.Tensor):
         """The ``counts[l]`` lowest-priority candidates of each layer -> (layers, records): a top-k
         per layer, over the candidates alone when they are few (a step's wanted pages)."""
-        per = cand.sum(1)
+        per = torch.count_nonzero(cand, dim=1)
         counts = torch.minimum(counts, per)
         k = int(counts.max()) if len(counts) else 0
         if k == 0:

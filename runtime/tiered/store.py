@@ -107,7 +107,7 @@ class TierPool:
         """Owned slots per layer [L]: counted when the owners were set, then kept by :meth:`alloc`
         (a release counts them again on the next call)."""
         if self._used is None:
-            self._used = (self._owner >= 0).sum(1)
+            self._used = torch.count_nonzero(self._owner >= 0, dim=1)
         return self._used.clone()
 
     def free(self) -> torch.Tensor:

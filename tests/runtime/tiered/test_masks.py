@@ -41,3 +41,11 @@ def test_any_equals_torch_any(n, share, step, seed):
     view = mask[:, ::step]  # strided too
     assert any_(view) == bool(view.any())
     assert any_(mask) == bool(mask.any())
+
+
+def test_count_equals_sum():
+    from tieredkv.runtime.tiered.masks import count_
+
+    mask = torch.rand(3, 1000, generator=torch.Generator().manual_seed(1)) < 0.3
+    assert count_(mask) == int(mask.sum()) and count_(mask[:, ::3]) == int(mask[:, ::3].sum())
+    assert count_(torch.zeros(0, dtype=torch.bool)) == 0
