@@ -96,6 +96,12 @@ def relevance_op():
     return None if decode_attention_op() is None else torch.ops.tieredkv_cpu.page_relevance
 
 
+def select_op():
+    """SelectPages over [N, M] rows in float32 (the reference's result, bit for bit), or ``None`` as
+    :func:`decode_attention_op`."""
+    return None if decode_attention_op() is None else torch.ops.tieredkv_cpu.select_pages
+
+
 def prepare(device: torch.device | str, dtype: torch.dtype, log=None) -> None:
     """Build (or load) the op before the first decode step where a model will use it (float32
     on the CPU), so the build's time is not a decode step's; says so through ``log`` when that

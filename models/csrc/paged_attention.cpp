@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <tuple>
 #include <vector>
 
@@ -586,6 +587,66 @@ at::Tensor page_relevance(at::Tensor q, at::Tensor kmin, at::Tensor kmax, at::Te
   return out;
 }
 
+// SelectPages (plugins/select_pages.py) row by row: every valid page when attend[n] covers them
+// all; else the valid pinned pages plus the first attend[n] - #(valid pinned) positions of the
+// columns ordered by score, highest first (NaN above every number, ties in column order), that
+// are valid unpinned candidates (a non-candidate counts as -inf). score [N, M] float;
+// valid, pinned [N, M] bool; attend [N] int64. Returns [N, M] bool.
+at::Tensor select_pages(at::Tensor score, at::Tensor valid, at::Tensor pinned, at::Tensor attend) {
+  check(score, "score", 2, at::kFloat);
+  check(valid, "valid", 2, at::kBool);
+  check(pinned, "pinned", 2, at::kBool);
+  check(attend, "attend", 1, at::kLong);
+  const int64_t N = score.size(0), M = score.size(1);
+  TORCH_CHECK(valid.sizes() == score.sizes() && pinned.sizes() == score.sizes() && attend.size(0) == N,
+              "valid and pinned must be [N, M] like score, attend [N]");
+  auto out = at::zeros({N, M}, valid.options());
+  const float* sc = score.data_ptr<float>();
+  const bool *vd = valid.data_ptr<bool>(), *pn = pinned.data_ptr<bool>();
+  const int64_t* at_ = attend.data_ptr<int64_t>();
+  bool* op = out.data_ptr<bool>();
+  // the scores as integers in the order torch's sort gives them (built with -ffast-math, so no float
+  // comparison or isnan here): -0.0 equal to 0.0, every NaN equal and above +inf
+  auto order_key = [](float x) -> int32_t {
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return std::numeric_limits<int32_t>::max();
+    if (u == 0x80000000u) u = 0;
+    const int32_t i = static_cast<int32_t>(u);
+    return i >= 0 ? i : i ^ 0x7fffffff;
+  };
+  const int32_t below_all = order_key(-std::numeric_limits<float>::infinity());
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> order(M);
+    std::vector<int32_t> key(M);
+    for (int64_t n = begin; n < end; ++n) {
+      const float* s = sc + n * M;
+      const bool *v = vd + n * M, *p = pn + n * M;
+      bool* o = op + n * M;
+      int64_t n_valid = 0, n_pinned = 0;
+      for (int64_t m = 0; m < M; ++m) {
+        n_valid += v[m];
+        n_pinned += v[m] && p[m];
+      }
+      if (at_[n] >= n_valid) {
+        std::copy(v, v + M, o);
+        continue;
+      }
+      for (int64_t m = 0; m < M; ++m) o[m] = v[m] && p[m];
+      const int64_t take = std::min(at_[n] - n_pinned, M);
+      if (take <= 0) continue;
+      for (int64_t m = 0; m < M; ++m) key[m] = (v[m] && !p[m]) ? order_key(s[m]) : below_all;
+      std::iota(order.begin(), order.end(), int64_t{0});
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return key[a] > key[b]; });
+      for (int64_t i = 0; i < take; ++i) {
+        const int64_t m = order[i];
+        if (v[m] && !p[m]) o[m] = true;
+      }
+    }
+  });
+  return out;
+}
+
 TORCH_LIBRARY(tieredkv_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor pool_k, Tensor pool_v, Tensor pages, Tensor allowed, float scale) "
         "-> Tensor");
@@ -593,10 +654,12 @@ TORCH_LIBRARY(tieredkv_cpu, m) {
         "Tensor warm, int[] warm_codec, Tensor kind, Tensor slot, Tensor allowed, float scale) -> (Tensor, Tensor)");
   m.def("page_relevance(Tensor q, Tensor kmin, Tensor kmax, Tensor recs, Tensor tokens, Tensor mask, float scale) "
         "-> Tensor");
+  m.def("select_pages(Tensor score, Tensor valid, Tensor pinned, Tensor attend) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tieredkv_cpu, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("tiered_decode_attention", &tiered_decode_attention);
   m.impl("page_relevance", &page_relevance);
+  m.impl("select_pages", &select_pages);
 }

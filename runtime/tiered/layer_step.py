@@ -37,7 +37,7 @@ import torch
 
 from tieredkv.models.cache import (EXTRA, POOL, WARM, attention, decode_op_applies, gather_pages,
                                    pool_decode_attention, tiered_decode_attention, tiered_in_place)
-from tieredkv.models.cpu_attention import relevance_op
+from tieredkv.models.cpu_attention import relevance_op, select_op
 from tieredkv.plugins.importance_score import (RELEVANCE_ONLY, distance_bucket, importance_score, mix,
                                                relevance_and_ranking)
 from tieredkv.plugins.select_pages import ATTEND_ALL, select_pages
@@ -152,7 +152,10 @@ class LayerStep:
                              if n_exact else None)
         self._allowed_all = None  # the keys every query may see when a layer attends every page
         self._inside = None  # of those, [B, M, P] (a decode step through the CPU op)
+        self._resident = None  # every layer's (device, warm, host) slots, [L, B, M] (:meth:`layer_slots`)
         self._select_args: dict = {}  # select_pages's masks and budgets by (rows per sequence, budget)
+        #: SelectPages as one CPU op (the reference's result) where the step runs on the CPU; else None
+        self.select_op = select_op() if self.decode and self.dev.type == "cpu" else None
         #: a decode step through the CPU op (:meth:`attend_in_place`): the warm pool's layout for the
         #: op where it reads the warm pages encoded, () where warm pages go through the reader; None: no op
         self.in_place = tiered_in_place(mgr, self.dev) if self.decode else None
@@ -308,7 +311,10 @@ class LayerStep:
         if key not in self._select_args:
             self._select_args[key] = (self.valid.repeat_interleave(per, dim=0), self.t0.repeat_interleave(per, dim=0),
                                       torch.full((rows.shape[0],), budget, device=rows.device))
-        picked = select_pages(rows, *self._select_args[key])
+        if self.select_op is not None and rows.dtype == torch.float32:
+            picked = self.select_op(rows.contiguous(), *self._select_args[key])
+        else:
+            picked = select_pages(rows, *self._select_args[key])
         return picked.reshape(score.shape)
 
     def where_attended(self, layer: int, selected: torch.Tensor) -> torch.Tensor:
@@ -316,6 +322,21 @@ class LayerStep:
         if not self.off[layer]:
             return selected
         return self.mgr.attended(layer, self.plan, selected.cpu()).to(self.dev)
+
+    def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The (device, warm, host) slots [B, M] of ``layer``'s listed pages (-1: no copy there), on
+        the host. Residency holds still during a step unless a layer-ahead prefetch moves pages
+        (``moves_inside``): then each layer reads the table; else every layer's are read at once."""
+        t, recs = self.mgr.table, self.plan.recs
+        if self.moves_inside:
+            flat = recs.flatten()
+            return tuple(col[layer].index_select(0, flat).view(recs.shape)
+                         for col in (t.device_slot, t.warm_slot, t.host_slot))
+        if self._resident is None:
+            flat = recs.flatten()
+            self._resident = tuple(col.index_select(1, flat).view(-1, *recs.shape)
+                                   for col in (t.device_slot, t.warm_slot, t.host_slot))
+        return tuple(x[layer] for x in self._resident)
 
     def gather_and_attend(self, layer: int, q: torch.Tensor, selected: torch.Tensor, attended: torch.Tensor,
                           heads: torch.Tensor | None, exact: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,7 +347,7 @@ class LayerStep:
         cols = None
         if self.width < M and layer >= self.dense_layers:
             cols = torch.sort((~selected).to(torch.int8), dim=1, stable=True).indices[:, : self.width]
-        dslot = t.device_slot[layer].index_select(0, plan.recs.flatten()).view(B, M).to(self.dev)
+        dslot = self.layer_slots(layer)[0].to(self.dev)
         if self.moves_inside:  # residency as this layer saw it
             self.rec.full[layer] = dslot.cpu() >= 0
             self.rec.warm[layer] = mgr.warm_only(layer, plan.recs)
@@ -374,7 +395,7 @@ class LayerStep:
         CPU), read where it lies in the host pool, the link's copy counted but not made; an
         unselected page is not read at all. Nothing gathered, no compaction: (out, mass [B, M]) as
         :meth:`gather_and_attend`'s, or ``None`` where the op does not apply."""
-        mgr, t, plan = self.mgr, self.mgr.table, self.plan
+        mgr, plan = self.mgr, self.plan
         B, M = plan.batch, plan.width
         pool_k, pool_v = mgr.device.k[layer], mgr.device.v[layer]
         warm = self.in_place
@@ -383,8 +404,8 @@ class LayerStep:
         kind = torch.full((B, M), POOL, dtype=torch.int8)
         slot = dslot.clamp(min=0)
         kw = {}
+        _, wslot, hslot = self.layer_slots(layer)
         if warm and mgr.warm is not None:
-            wslot = t.warm_slot[layer].index_select(0, plan.recs.flatten()).view(B, M)
             in_warm = ~on_dev & (wslot >= 0) & att
             if exact is not None:
                 in_warm &= ~exact
@@ -396,7 +417,9 @@ class LayerStep:
             rows, cols = other.nonzero(as_tuple=True)
             recs, ex = self.recs.cpu()[rows, cols], False if exact is None else exact[rows, cols]
             kind[rows, cols] = EXTRA
-            hslot = mgr.host_slots_in_place(layer, recs, exact=ex, like=pool_k)
+            at = (rows, cols)
+            hslot = mgr.host_slots_in_place(layer, recs, exact=ex, like=pool_k,
+                                            slots=(dslot.cpu()[at], wslot[at], hslot[at]))
             if hslot is not None:  # every one on the host, in the device pool's memory: read where it lies
                 slot[rows, cols] = hslot
                 kw.update(extra_k=mgr.host.k[layer], extra_v=mgr.host.v[layer])

@@ -114,22 +114,25 @@ class PageMoves:
             put(idx.to(dev), ks.to(dtype), vs.to(dtype))
 
     def host_slots_in_place(self, layer: int, recs: torch.Tensor, *, exact: bool | torch.Tensor = False,
-                            like: torch.Tensor) -> torch.Tensor | None:
+                            like: torch.Tensor, slots: tuple | None = None) -> torch.Tensor | None:
         """The host-pool slots of pages ``recs`` of ``layer`` when :meth:`read_pages_into` would read
         every one of them from the host tier and the host pool lies where the device pool
         (``like``: one layer of it) does, in its dtype — the CPU, where both pools are the same
         memory: the caller then reads ``host.k[layer]`` / ``host.v[layer]`` at those slots where
         they lie, and the copy a deployment makes across the link is counted as
         :meth:`read_pages_into` counts it (``transfers``), not made. ``None`` otherwise (a page on
-        the device, read from the warm pool or the disk, or a host pool elsewhere): read them."""
+        the device, read from the warm pool or the disk, or a host pool elsewhere): read them.
+        ``slots``: the pages' (device, warm, host) slots where the caller has read them already."""
         if self.host.k.device != like.device or self.host.k.dtype != like.dtype:
             return None
         if self._pending:
             self._settle()
         t = self.table
-        hslot = t.host_slot[layer].index_select(0, recs)
-        off = (t.device_slot[layer].index_select(0, recs) >= 0) | (hslot < 0)
-        warm = (t.warm_slot[layer].index_select(0, recs) >= 0) & ~torch.as_tensor(exact)
+        if slots is None:
+            slots = tuple(col[layer].index_select(0, recs) for col in (t.device_slot, t.warm_slot, t.host_slot))
+        dslot, wslot, hslot = slots
+        off = (dslot >= 0) | (hslot < 0)
+        warm = (wslot >= 0) & ~torch.as_tensor(exact)
         if bool((off | warm).any()):
             return None
         self.transfers.count_to_device(len(recs), 2 * len(recs) * like[0].numel() * like.element_size())

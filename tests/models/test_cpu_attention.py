@@ -229,3 +229,40 @@ def test_page_relevance_refuses_bad_arguments():
         op(torch.randn(2, 3, 8), kmin, kmin, *ok, 0.5)
     with pytest.raises(RuntimeError, match="recs, tokens and mask"):
         op(q, kmin, kmin, ok[0], torch.ones(2, 4), ok[2], 0.5)
+
+
+@needs_op
+@pytest.mark.parametrize("rows,m", [(1, 1), (3, 7), (16, 34), (48, 130), (5, 257)])
+@pytest.mark.parametrize("scores", ["random", "ties", "special"])
+def test_select_pages_op_equals_the_reference(rows, m, scores):
+    """SelectPages as one op equals plugins/select_pages.py bit for bit: budgets below T0, between,
+    covering every page and ATTEND_ALL; ties (broken by column), NaN and infinite scores; padding."""
+    from tieredkv.models.cpu_attention import select_op
+    from tieredkv.plugins.select_pages import ATTEND_ALL, select_pages
+
+    gen = torch.Generator().manual_seed(rows * 1000 + m)
+    score = torch.randn(rows, m, generator=gen)
+    if scores == "ties":
+        score = torch.randint(0, 3, (rows, m), generator=gen).float()
+    elif scores == "special":
+        special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0])
+        pick = torch.rand(rows, m, generator=gen) < 0.4
+        score[pick] = special[torch.randint(0, 5, (int(pick.sum()),), generator=gen)]
+    valid = torch.rand(rows, m, generator=gen) < 0.85
+    pinned = torch.rand(rows, m, generator=gen) < 0.2
+    attend = torch.randint(0, m + 3, (rows,), generator=gen)
+    attend[::4] = ATTEND_ALL
+    got = select_op()(score, valid, pinned, attend)
+    assert torch.equal(got, select_pages(score, valid, pinned, attend))
+
+
+@needs_op
+def test_select_pages_op_refuses_bad_arguments():
+    from tieredkv.models.cpu_attention import select_op
+
+    op, s = select_op(), torch.zeros(2, 3)
+    b = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="valid and pinned"):
+        op(s, b, torch.ones(2, 4, dtype=torch.bool), torch.ones(2, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="attend"):
+        op(s, b, b, torch.ones(2))
