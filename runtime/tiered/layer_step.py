@@ -344,9 +344,6 @@ class LayerStep:
         the attention over them: (out, mass [B, M], 0 where not attended)."""
         mgr, t, plan = self.mgr, self.mgr.table, self.plan
         B, M = plan.batch, plan.width
-        cols = None
-        if self.width < M and layer >= self.dense_layers:
-            cols = torch.sort((~selected).to(torch.int8), dim=1, stable=True).indices[:, : self.width]
         dslot = self.layer_slots(layer)[0].to(self.dev)
         if self.moves_inside:  # residency as this layer saw it
             self.rec.full[layer] = dslot.cpu() >= 0
@@ -356,6 +353,9 @@ class LayerStep:
             got = self.attend_in_place(layer, q, dslot, attended, heads, exact)
             if got is not None:
                 return got
+        cols = None  # the gathering path: the selected columns, compacted
+        if self.width < M and layer >= self.dense_layers:
+            cols = torch.sort((~selected).to(torch.int8), dim=1, stable=True).indices[:, : self.width]
         pick = (lambda x: x) if cols is None else (lambda x: x.gather(-1, cols if x.dim() == 2 else
                                                                       cols.unsqueeze(1).expand(-1, x.shape[1], -1)))
         dslot, att = pick(dslot), pick(attended)
