@@ -418,12 +418,13 @@ void run_tasks(const float* q, float* out, float* mass, const Sources& src, cons
   });
 }
 
-// The arguments both ops share: q [B, H, D] and a pool pair [C, KVH, P, D], float32, with q's head
-// dim and a whole number of query heads per kv head.
+// A whole number of query heads per kv head (the attention ops and page_relevance).
 void check_heads(int64_t H, int64_t KVH) {
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "q heads ", H, " must be a multiple of kv heads ", KVH);
 }
 
+// The arguments both attention ops share: q [B, H, D] and a pool pair [C, KVH, P, D], float32, with
+// q's head dim and a whole number of query heads per kv head.
 void check_q_pool(const at::Tensor& q, const at::Tensor& pool_k, const at::Tensor& pool_v) {
   check(q, "q", 3, at::kFloat);
   check(pool_k, "pool_k", 4, at::kFloat);
