@@ -66,23 +66,45 @@ class PackedLinears:
         self.linears = linears
         self._key = None
         self._packed = None
+        self._sizes: list[int] = []
+        self._weights: list[torch.Tensor] = []
 
     def __getstate__(self):
-        return {"linears": self.linears, "_key": None, "_packed": None}
+        return {"linears": self.linears, "_key": None, "_packed": None, "_sizes": [], "_weights": []}
 
-    def _fast(self, x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
-        return (_STATE["backend"] == "onednn" and _ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32
-                and all(w.dtype == torch.float32 and w.device.type == "cpu" for w in weights)
-                and not (torch.is_grad_enabled() and any(w.requires_grad for w in weights))
-                and not torch.jit.is_tracing() and not torch.compiler.is_compiling())
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _pack(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The packed weights when the oneDNN path applies to ``x`` (repacked when a weight was
+        replaced or changed in place), else ``None``. Checked on every call, in the order that
+        costs least on the decode path (a few attribute reads; the pack keeps the weights it was
+        made from, so a replaced weight's id cannot be reused while it is compared)."""
+        if not (x.dtype is torch.float32 and _STATE["backend"] == "onednn" and _ONEDNN and x.device.type == "cpu"):
+            return None
         weights = [lin.weight for lin in self.linears]
-        if not self._fast(x, weights):
-            return tuple(F.linear(x, w) for w in weights)
-        key = tuple((w.data_ptr(), w._version, tuple(w.shape)) for w in weights)
+        key = [(id(w), w.data_ptr(), w._version) for w in weights]
         if key != self._key:
+            if not all(w.dtype is torch.float32 and w.device.type == "cpu" for w in weights):
+                return None
             w = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
             self._packed, self._key = torch.ops.mkldnn._reorder_linear_weight(w, None), key
-        y = torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
-        return (y,) if len(weights) == 1 else y.split([w.shape[0] for w in weights], dim=-1)
+            self._sizes, self._weights = [w.shape[0] for w in weights], weights
+        if (torch.is_grad_enabled() and any(w.requires_grad for w in weights)) or torch.jit.is_tracing() \
+                or torch.compiler.is_compiling():
+            return None
+        return self._packed
+
+    def joint(self, x: torch.Tensor) -> torch.Tensor:
+        """The layers' outputs concatenated on the last dimension, [..., sum of out_features]:
+        one GEMM's output on the fast path (no copy), the ``F.linear`` outputs concatenated
+        otherwise. Equal bit for bit to ``torch.cat(self(x), -1)``."""
+        packed = self._pack(x)
+        if packed is None:
+            outs = [F.linear(x, lin.weight) for lin in self.linears]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        packed = self._pack(x)
+        if packed is None:
+            return tuple(F.linear(x, lin.weight) for lin in self.linears)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return (y,) if len(self._sizes) == 1 else y.split(self._sizes, dim=-1)
