@@ -25,8 +25,12 @@ model in float32 (this CPU's dtype), ``max_model_len`` the work's own (prompt + 
 Each tieredkv row runs ``LLM.generate`` (prefix caching off: every call on a fresh cache) on two
 prompts to warm up, then ``--repeats`` times on the batch, and keeps the
 best decode tok/s (``last_stats``: decode tokens over the time of the decode steps); vLLM's
-decode time is its 64-token call minus its 1-token call. Writes ``table.md`` and
-``results.json`` under ``--out``.
+decode time is its 64-token call minus its 1-token call. With ``--rounds N`` every batch's rows
+run N times, one after another in each round (paged, tiered..., vLLM, then again), and the
+table gives each row's median over the rounds and the median of its ratio to the paged row *of
+the same round*: this CPU's speed drifts by up to ~12 % between runs minutes apart, and a ratio
+within one round cancels most of that drift. Writes ``table.md`` and ``results.json`` under
+``--out``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -125,6 +130,30 @@ def run_vllm(prompt_file: str, new_tokens: int, repeats: int, threads: int, out:
     return json.loads(res.read_text())
 
 
+def summarize(batch: int, row: str, rounds: list[dict[str, dict]]) -> dict:
+    """One row of one batch over the rounds: the median tok/s, the median of its ratio to the
+    same round's paged row, and its outputs against the paged row's (all rounds must agree)."""
+    speeds, ratios, equal = [], [], None
+    for got in rounds:
+        r, ref = got[row], got.get("paged", {})
+        speed = r.get("decode_tok_s")
+        if speed:
+            speeds.append(speed)
+            if ref.get("decode_tok_s"):
+                ratios.append(speed / ref["decode_tok_s"])
+        if "outputs" in r and "outputs" in ref:
+            n = sum(a == b for a, b in zip(r["outputs"], ref["outputs"]))
+            equal = n if equal is None else min(equal, n)
+    last = rounds[-1][row]
+    return {"batch": batch, "row": row,
+            "decode_tok_s": round(statistics.median(speeds), 2) if speeds else None,
+            "vs_paged": round(statistics.median(ratios), 3) if ratios else None,
+            "rounds": [{"decode_tok_s": got[row].get("decode_tok_s")} for got in rounds],
+            "ratios": [round(x, 3) for x in ratios],
+            "equal_to_paged": equal, "prompts": batch,
+            "device_budget_bytes": last.get("device_budget_bytes"), "skipped": last.get("skipped")}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
@@ -132,6 +161,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rows", nargs="+", choices=ROWS, default=[r for r in ROWS if r != "paged-torch"])
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1, help="rows run in turn this many times; medians reported")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default="results/decode")
     ap.add_argument("--row", choices=ROWS, help=argparse.SUPPRESS)  # internal: one row in this process
@@ -150,31 +180,27 @@ def main() -> int:
     for batch in args.batches:
         pf = out / f"prompts_b{batch}.json"
         pf.write_text(json.dumps(all_prompts[:batch]))
-        got: dict[str, dict] = {}
+        rounds: list[dict[str, dict]] = []
+        for rnd in range(args.rounds):
+            got: dict[str, dict] = {}
+            for row in args.rows:
+                print(f"batch {batch}, round {rnd + 1}/{args.rounds}: {row} ...", file=sys.stderr, flush=True)
+                if row == "vllm":
+                    got[row] = run_vllm(str(pf), args.new_tokens, args.repeats, args.threads, out)
+                else:
+                    res = out / f"{row}_b{batch}.json"
+                    cmd = [sys.executable, __file__, "--row", row, "--prompt-file", str(pf), "--result", str(res),
+                           "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
+                           "--threads", str(args.threads)]
+                    subprocess.run(cmd, check=True)
+                    got[row] = json.loads(res.read_text())
+            rounds.append(got)
         for row in args.rows:
-            print(f"batch {batch}: {row} ...", file=sys.stderr, flush=True)
-            if row == "vllm":
-                got[row] = run_vllm(str(pf), args.new_tokens, args.repeats, args.threads, out)
-            else:
-                res = out / f"{row}_b{batch}.json"
-                cmd = [sys.executable, __file__, "--row", row, "--prompt-file", str(pf), "--result", str(res),
-                       "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
-                       "--threads", str(args.threads)]
-                subprocess.run(cmd, check=True)
-                got[row] = json.loads(res.read_text())
-        ref = got.get("paged", {})
-        for row, r in got.items():
-            equal = (sum(a == b for a, b in zip(r["outputs"], ref["outputs"]))
-                     if "outputs" in r and "outputs" in ref else None)
-            speed = r.get("decode_tok_s")
-            results.append({"batch": batch, "row": row, "decode_tok_s": speed,
-                            "vs_paged": (round(speed / ref["decode_tok_s"], 3)
-                                         if speed and ref.get("decode_tok_s") else None),
-                            "equal_to_paged": equal, "prompts": batch,
-                            "device_budget_bytes": r.get("device_budget_bytes"), "skipped": r.get("skipped")})
+            results.append(summarize(batch, row, rounds))
             print(json.dumps(results[-1]), flush=True)
     lines = [f"Decode tok/s, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, {args.threads} threads, "
-             f"{platform.processor() or platform.machine()}, {datetime.date.today()}", "",
+             f"{platform.processor() or platform.machine()}, {datetime.date.today()}"
+             + (f"; medians over {args.rounds} rounds (ratios within each round)" if args.rounds > 1 else ""), "",
              "| batch | row | decode tok/s | vs paged | outputs equal to paged |", "|---:|---|---:|---:|---:|"]
     for r in results:
         if r["skipped"]:
