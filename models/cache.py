@@ -83,6 +83,28 @@ def gather_pages(pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     return pool.reshape(c * kvh, p, d).index_select(0, rows).view(b, kvh, m, p, d)
 
 
+def pool_rows(slots: torch.Tensor, offsets: torch.Tensor, kv_heads: int, page_size: int) -> torch.Tensor:
+    """Where new tokens go as rows of a layer's pool [C, KVH, P, D] viewed [C * KVH * P, D]:
+    token n (page ``slots[..., n]``, place ``offsets[n]`` in it) and kv head h at row
+    ``(slot * KVH + h) * P + offset``; [..., N * KVH], token-major — the order of the new
+    tokens' K [N, KVH, D] reshaped [N * KVH, D]. ``slots`` [N], or [L, N] for every layer."""
+    heads = torch.arange(kv_heads, device=slots.device)
+    return ((slots.unsqueeze(-1) * kv_heads + heads) * page_size + offsets.unsqueeze(-1)).flatten(-2)
+
+
+def write_pool_rows(pool_k: torch.Tensor, pool_v: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> bool:
+    """New tokens' K, V [N, KVH, D] into one layer's pools [C, KVH, P, D] at :func:`pool_rows`'
+    ``rows``: one ``index_copy_`` per pool (the values cast to the pool's dtype). False, writing
+    nothing, where a pool is not contiguous (the caller then scatters by page and offset)."""
+    if not (pool_k.is_contiguous() and pool_v.is_contiguous()):
+        return False
+    for pool, new in ((pool_k, k), (pool_v, v)):
+        d = pool.shape[-1]
+        pool.view(-1, d).index_copy_(0, rows, new.reshape(-1, d).to(pool.device, pool.dtype))
+    return True
+
+
 def decode_op_applies(q: torch.Tensor, pool_k: torch.Tensor) -> bool:
     """Whether the CPU decode-attention ops take q [B, H, T, D] over a pool of ``pool_k``'s
     dtype: one query per sequence, float32 on the CPU, no autograd."""

@@ -30,7 +30,7 @@ import torch
 
 from tieredkv.errors import ConfigError, KVCacheFullError, short
 from tieredkv.models.cache import (KVCache, KVSpec, KVUsage, Step, attention, causal_mask, gather_pages,
-                                   pool_decode_attention)
+                                   pool_decode_attention, pool_rows, write_pool_rows)
 
 
 @dataclass(frozen=True)
@@ -235,14 +235,12 @@ class PagedKVCache(KVCache):
         """Scatter the new tokens' K/V [B, KVH, T, D] into their page slots."""
         s = self._step
         pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
-        d = k.shape[-1]
-        if pool_k.is_contiguous() and pool_v.is_contiguous():  # one row copy per (token, kv head)
-            pool_k.view(-1, d).index_copy_(0, s.write_rows, k.transpose(1, 2).reshape(-1, d))
-            pool_v.view(-1, d).index_copy_(0, s.write_rows, v.transpose(1, 2).reshape(-1, d))
-            return
         # k[b, :, t] for every (b, t) in order is [B * T, KVH, D]; pool[page, :, offset] addresses the same shape
-        pool_k[s.write_pages, :, s.write_offsets] = k.transpose(1, 2).reshape(-1, *k.shape[1:2], d)
-        pool_v[s.write_pages, :, s.write_offsets] = v.transpose(1, 2).reshape(-1, *v.shape[1:2], d)
+        kt, vt = (x.transpose(1, 2).reshape(-1, *x.shape[1:2], x.shape[-1]) for x in (k, v))
+        if write_pool_rows(pool_k, pool_v, s.write_rows, kt, vt):  # one row copy per (token, kv head)
+            return
+        pool_k[s.write_pages, :, s.write_offsets] = kt
+        pool_v[s.write_pages, :, s.write_offsets] = vt
 
     def gather(self, layer: int, seq_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """K, V [B, KVH, S, D] of whole pages (S = max pages * page_size, zero padded) and the
@@ -381,8 +379,7 @@ class _PagedStep:
         if step.num_new == 1:
             allowed = torch.arange(width * P, device=dev).view(1, -1) <= past.view(-1, 1)
         write_pages, write_offsets = pages.gather(1, pos // P).flatten(), (pos % P).flatten()
-        kvh = cache.pool.k.shape[2]
-        rows = ((write_pages.unsqueeze(1) * kvh + torch.arange(kvh)) * P + write_offsets.unsqueeze(1)).flatten()
+        rows = pool_rows(write_pages, write_offsets, cache.pool.k.shape[2], P)
         return cls(write_pages.to(dev), write_offsets.to(dev), rows.to(dev), pages.to(dev), max_len,
                    causal_mask(past, step.num_new, max_len), allowed)
 

@@ -353,7 +353,7 @@ class TieredKVCache(KVCache):
         vt = v.transpose(1, 2).reshape(-1, *v.shape[1:2], v.shape[-1])
         slots = self.layers.write_slots[layer]
         if self.layers.new_keys is not None:  # a decode step: nothing reads the summaries before it ends
-            self.mgr.append_tokens(layer, self.plan, kt, vt, slots)
+            self.mgr.append_tokens(layer, self.plan, kt, vt, slots, rows=self.layers.write_rows[layer])
             self.layers.new_keys[layer] = kt
             return
         self.mgr.write_tokens(layer, self.plan, kt, vt, self.scorer.token_saliency(layer, kt), slots=slots)

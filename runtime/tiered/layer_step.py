@@ -36,7 +36,7 @@ import time
 import torch
 
 from tieredkv.models.cache import (EXTRA, POOL, WARM, attention, decode_op_applies, gather_pages,
-                                   pool_decode_attention, tiered_decode_attention, tiered_in_place)
+                                   pool_decode_attention, pool_rows, tiered_decode_attention, tiered_in_place)
 from tieredkv.models.cpu_attention import relevance_op, select_op
 from tieredkv.plugins.importance_score import (RELEVANCE_ONLY, distance_bucket, importance_score, mix,
                                                relevance_and_ranking)
@@ -130,7 +130,10 @@ class LayerStep:
         self.distance, self.seq_len, self.past = plan.distance.to(dev), plan.seq_len.to(dev), plan.past.to(dev)
         self.candidates = plan.candidates.to(dev)
         # the new tokens' device slots, one [B * T] row per layer (resident all step)
-        self.write_slots = t.device_slot.index_select(1, plan.write_recs).to(dev).unbind(0)
+        slots = t.device_slot.index_select(1, plan.write_recs).to(dev)
+        self.write_slots = slots.unbind(0)
+        # and the same places as rows of each layer's pool viewed [C * KVH * P, D]: one copy per pool
+        self.write_rows = pool_rows(slots, plan.write_offsets.to(dev), mgr.kv_heads, mgr.P).unbind(0)
         budget = cache.budgets.attention_pages
         self.budget = ATTEND_ALL if budget is None or not self.decode else budget
         counts = torch.tensor(plan.lengths)

@@ -62,6 +62,7 @@ from typing import Callable, Sequence
 import torch
 
 from tieredkv.errors import KVCacheFullError
+from tieredkv.models.cache import write_pool_rows
 from tieredkv.plugins.kv_append import kv_append
 from tieredkv.plugins.tiered_attention import PAD_PAGE_INDEX
 from tieredkv.runtime.tiered.accounting import TierAccounting
@@ -387,11 +388,12 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         self._update_summaries(layer, recs.to(t.kmin.device), k.float().to(t.kmin.device),
                                saliency.to(t.sal_sum.device, torch.float32), one_per_page=plan.decode)
 
-    def append_tokens(self, layer: int, plan: StepPlan, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    def append_tokens(self, layer: int, plan: StepPlan, k, v, slots: torch.Tensor, rows=None) -> None:
         """:meth:`write_tokens` without the summaries: the step folds them in once for every layer
-        (:meth:`fold_summaries`) — a decode step that scores nothing before it ends."""
+        (:meth:`fold_summaries`). ``rows``: their places by ``models.cache.pool_rows`` (one copy per pool)."""
         pools = (self.device.k[layer], self.device.v[layer])
-        kv_append(*pools, k, v, slots, plan.write_offsets.to(self.device.device), out=pools)  # in place
+        if rows is None or not write_pool_rows(*pools, rows, k, v):
+            kv_append(*pools, k, v, slots, plan.write_offsets.to(self.device.device), out=pools)  # in place
 
     def fold_summaries(self, plan: StepPlan, k: torch.Tensor, saliency: torch.Tensor,
                        layers: torch.Tensor | None = None) -> None:

@@ -1,15 +1,18 @@
 """The model's one-op forms equal the reference forms bit for bit (models/llama.py): RMSNorm
 through torch's ``rms_norm`` at up to ``FUSED_NORM_ROWS`` rows, RoPE on q and k together with the
-sign folded into the sine table, and the packed projections' joint output."""
+sign folded into the sine table, the packed projections' joint output, and the new tokens'
+write into a pool as one row copy (``models.cache.pool_rows``) — KVAppend's result."""
 
 import pytest
 import torch
 from torch import nn
 
 from tieredkv.models import cpu_linear
+from tieredkv.models.cache import pool_rows, write_pool_rows
 from tieredkv.models.cpu_linear import PackedLinears, set_cpu_linear
 from tieredkv.models.llama import (FUSED_NORM_ROWS, RMSNorm, apply_rope, apply_rope_heads_last, rope_cos_sin,
                                    rope_tables)
+from tieredkv.plugins.kv_append import kv_append
 
 
 def reference_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -65,3 +68,26 @@ def test_joint_is_the_outputs_concatenated(backend):
             assert torch.equal(one.joint(x), one(x)[0])
     finally:
         set_cpu_linear("onednn")
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("c, kvh, p, d, n", [(7, 3, 16, 64, 5), (13, 1, 5, 9, 13), (4, 2, 1, 3, 4)])
+def test_write_by_rows_is_kv_append(pool_dtype, c, kvh, p, d, n):
+    gen = torch.Generator().manual_seed(c * kvh * p + n)
+    k_pool, v_pool = (torch.randn(c, kvh, p, d, generator=gen).to(pool_dtype) for _ in range(2))
+    places = torch.randperm(c * p, generator=gen)[:n]  # distinct (slot, offset) pairs, in no order
+    slots, offsets = places // p, places % p
+    k, v = torch.randn(n, kvh, d, generator=gen), torch.randn(n, kvh, d, generator=gen)
+    want_k, want_v = kv_append(k_pool, v_pool, k, v, slots, offsets)
+    assert write_pool_rows(k_pool, v_pool, pool_rows(slots, offsets, kvh, p), k, v)
+    assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
+    # every layer's rows at once ([L, N] slots) are each layer's own rows
+    layers = torch.stack([slots, slots.flip(0)])
+    assert torch.equal(pool_rows(layers, offsets, kvh, p)[1], pool_rows(slots.flip(0), offsets, kvh, p))
+
+
+def test_write_by_rows_declines_a_strided_pool():
+    pool = torch.zeros(4, 2, 8, 6)[:, :, ::2]  # [4, 2, 4, 6], not contiguous
+    k = torch.ones(1, 2, 6)
+    assert not write_pool_rows(pool, pool, pool_rows(torch.tensor([1]), torch.tensor([0]), 2, 4), k, k)
+    assert not pool.any()
