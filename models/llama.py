@@ -37,7 +37,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype is torch.float32 and self.weight.dtype is torch.float32 and x.numel() <= FUSED_NORM_ROWS * x.shape[-1]:
-            # torch's rms_norm: the same float32 result bit for bit (tests/models/test_llama.py), one
+            # torch's rms_norm: the same float32 result bit for bit (tests/models/test_model_ops.py), one
             # op instead of six: faster up to a few hundred rows, slower at long prefill chunks
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x = x.float()
