@@ -351,12 +351,12 @@ class TieredKVCache(KVCache):
         """The open step's new K/V of one layer, k, v [B, KVH, T, D], into the cache."""
         kt = k.transpose(1, 2).reshape(-1, *k.shape[1:2], k.shape[-1])  # [B*T, KVH, D] in (b, t) order
         vt = v.transpose(1, 2).reshape(-1, *v.shape[1:2], v.shape[-1])
-        slots = self.layers.write_slots[layer]
+        slots, rows = self.layers.write_slots[layer], self.layers.write_rows[layer]
         if self.layers.new_keys is not None:  # a decode step: nothing reads the summaries before it ends
-            self.mgr.append_tokens(layer, self.plan, kt, vt, slots, rows=self.layers.write_rows[layer])
+            self.mgr.append_tokens(layer, self.plan, kt, vt, slots, rows)
             self.layers.new_keys[layer] = kt
             return
-        self.mgr.write_tokens(layer, self.plan, kt, vt, self.scorer.token_saliency(layer, kt), slots=slots)
+        self.mgr.write_tokens(layer, self.plan, kt, vt, self.scorer.token_saliency(layer, kt), slots=slots, rows=rows)
 
     def attend(self, step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.store(layer, k, v)

@@ -375,16 +375,16 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
 
     # ------------------------------------------------------------------ the step's layers
     def write_tokens(self, layer: int, plan: StepPlan, k: torch.Tensor, v: torch.Tensor,
-                     saliency: torch.Tensor, *, slots: torch.Tensor | None = None) -> None:
+                     saliency: torch.Tensor, *, slots: torch.Tensor | None = None, rows=None) -> None:
         """The step's new K/V of one layer into their device pages (KVAppend, in place):
         ``k``, ``v`` [B * T, KVH, D] in the plan's order, with each token's ``saliency`` [B * T];
         the pages' key summaries follow. ``slots``: the new tokens' device slots in this layer,
-        where the device pool lives (default: read from the page table)."""
+        where the device pool lives (default: read from the page table); ``rows``: :meth:`append_tokens`'."""
         t = self.table
         recs = plan.write_recs
         if slots is None:
             slots = t.device_slot[layer, recs].to(self.device.device)
-        self.append_tokens(layer, plan, k, v, slots)
+        self.append_tokens(layer, plan, k, v, slots, rows)
         self._update_summaries(layer, recs.to(t.kmin.device), k.float().to(t.kmin.device),
                                saliency.to(t.sal_sum.device, torch.float32), one_per_page=plan.decode)
 
