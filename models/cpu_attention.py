@@ -13,6 +13,11 @@ else the first time a decode step needs it.
 when it is switched off (``TIEREDKV_CPU_ATTENTION=torch`` or :func:`set_cpu_attention`) or
 cannot be built here (the reason is warned once and kept in :func:`cpu_attention_status`).
 The two paths agree to float32 rounding (tests/models/test_cpu_attention.py), not bit for bit.
+
+The same extension carries the tier manager's step accounting (``models/csrc/tier_step.cpp``:
+:func:`tier_step_ops`, switched by ``TIEREDKV_CPU_MANAGER`` / :func:`set_cpu_manager`): a step's
+record folded into its access record and the page table's statistics in one pass each, equal to
+the manager's torch code bit for bit (tests/runtime/tiered/test_tier_step_op.py).
 """
 
 from __future__ import annotations
@@ -28,11 +33,14 @@ import torch
 
 from tieredkv.errors import ConfigError
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+#: one extension: the attention ops and the tier manager's step accounting (tier_step.cpp)
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "tier_step.cpp")
 BACKENDS = ("paged", "torch")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-lmvec", "-fopenmp"]  # glibc's vector math (the softmax's exponentials); OpenMP: torch's own runtime
-_STATE: dict = {"backend": "paged", "op": None, "tried": False, "error": None}
+_STATE: dict = {"backend": "paged", "manager": "native", "built": False, "tried": False, "error": None}
+MANAGER_BACKENDS = ("native", "torch")
 
 
 def set_cpu_attention(backend: str) -> None:
@@ -55,7 +63,7 @@ def _cpu_tag() -> str:
     return hashlib.sha1((flags + " ".join(FLAGS + LDFLAGS)).encode()).hexdigest()[:10]
 
 
-def _build():
+def _build() -> bool:
     from torch.utils.cpp_extension import load
 
     if shutil.which("ninja") is None:  # the `ninja` wheel's binary, outside an activated venv
@@ -63,24 +71,50 @@ def _build():
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
-    load(name=f"tieredkv_cpu_attention_{_cpu_tag()}", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
-         is_python_module=False, verbose=False)
-    return torch.ops.tieredkv_cpu.paged_decode_attention
+    load(name=f"tieredkv_cpu_attention_{_cpu_tag()}", sources=[str(f) for f in SOURCES], extra_cflags=FLAGS,
+         extra_ldflags=LDFLAGS, is_python_module=False, verbose=False)
+    return True
+
+
+def _native() -> bool:
+    """Whether the extension is built (building it the first time; a failure is warned once)."""
+    if not _STATE["tried"]:
+        _STATE["tried"] = True
+        try:
+            _STATE["built"] = _build()
+        except Exception as exc:  # no compiler / ninja, a failed build: the torch paths stay
+            _STATE["error"] = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"tieredkv: the CPU ops could not be built ({_STATE['error'][:300]}); decode attends "
+                          "through torch's gather + matmul and the tier manager accounts through torch ops instead",
+                          RuntimeWarning, stacklevel=3)
+    return _STATE["built"]
 
 
 def decode_attention_op():
     """The built op, or ``None`` (switched off, or it cannot be built here)."""
-    if _STATE["backend"] != "paged":
+    if _STATE["backend"] != "paged" or not _native():
         return None
-    if not _STATE["tried"]:
-        _STATE["tried"] = True
-        try:
-            _STATE["op"] = _build()
-        except Exception as exc:  # no compiler / ninja, a failed build: the torch path stays
-            _STATE["error"] = f"{type(exc).__name__}: {exc}"
-            warnings.warn(f"tieredkv: the CPU paged-attention op could not be built ({_STATE['error'][:300]}); "
-                          "decode attends through torch's gather + matmul instead", RuntimeWarning, stacklevel=2)
-    return _STATE["op"]
+    return torch.ops.tieredkv_cpu.paged_decode_attention
+
+
+def set_cpu_manager(backend: str) -> None:
+    """How the tier manager folds a step's record on the CPU: ``"native"`` (the default:
+    ``models/csrc/tier_step.cpp``, one pass) or ``"torch"`` (its torch ops, the reference)."""
+    if backend not in MANAGER_BACKENDS:
+        raise ConfigError(f"cpu manager backend (set_cpu_manager or TIEREDKV_CPU_MANAGER) must be one of "
+                          f"{MANAGER_BACKENDS}, got {backend!r}")
+    _STATE["manager"] = backend
+
+
+set_cpu_manager(os.environ.get("TIEREDKV_CPU_MANAGER", "native"))
+
+
+def tier_step_ops():
+    """The tier manager's step accounting ops (``fold_record``, ``fold_end``: ``torch.ops.tieredkv_cpu``),
+    or ``None`` when switched off or not built — then the manager runs its torch code."""
+    if _STATE["manager"] != "native" or not _native():
+        return None
+    return torch.ops.tieredkv_cpu
 
 
 def tiered_attention_op():
@@ -118,4 +152,5 @@ def prepare(device: torch.device | str, dtype: torch.dtype, log=None) -> None:
 def cpu_attention_status() -> dict:
     """What decode attention runs on the CPU: the backend chosen, whether the op is built, the
     build error if any."""
-    return {"backend": _STATE["backend"], "built": _STATE["op"] is not None, "error": _STATE["error"]}
+    return {"backend": _STATE["backend"], "manager": _STATE["manager"], "built": _STATE["built"],
+            "error": _STATE["error"]}

@@ -5,8 +5,8 @@ is one logical page in every layer; shared prefix pages are listed by several se
 residency and statistics are per (layer, record): [L, R] tensors, so a decision is a handful
 of vectorized ops over all layers at once — no per-page Python. The class is split by job:
 page moves (``moves.py``), the warm sub-tier (``warm_tier.py``), window migration and
-prefetch (``migration.py``), accounting and invariants (``accounting.py``); this file holds
-the sequences and the step.
+prefetch (``migration.py``), accounting and invariants (``accounting.py``), the step's
+accounting (``step_fold.py``: a native op per fold on the CPU); this file holds the sequences and the step.
 
 Tiers (docs/tiers.md):
   T0 hot      device; the sink pages, the recent-window pages and the page being written
@@ -68,13 +68,14 @@ from tieredkv.plugins.tiered_attention import PAD_PAGE_INDEX
 from tieredkv.runtime.tiered.accounting import TierAccounting
 from tieredkv.runtime.tiered.budgets import ResolvedBudgets
 from tieredkv.runtime.tiered.config import TieredKVConfig
-from tieredkv.runtime.tiered.masks import any_, count_, select_
+from tieredkv.runtime.tiered.masks import any_, count_
 from tieredkv.runtime.tiered.metrics import TierMetrics
 from tieredkv.runtime.tiered.migration import WindowMigration
 from tieredkv.runtime.tiered.moves import PageMoves
-from tieredkv.runtime.tiered.page_table import HIST_MASK, PageTable, PageTableState
+from tieredkv.runtime.tiered.page_table import PageTable, PageTableState
 from tieredkv.runtime.tiered.policies import ReplacementPolicy
-from tieredkv.runtime.tiered.step import StepAccess, StepPlan, StepRecord
+from tieredkv.runtime.tiered.step import StepAccess, StepPlan
+from tieredkv.runtime.tiered.step_fold import StepFold
 from tieredkv.runtime.tiered.store import DiskPool, TierPool, warm_pool
 from tieredkv.runtime.tiered.transfers import Transfers
 from tieredkv.runtime.tiered.warm_tier import WarmTier
@@ -89,7 +90,7 @@ class ManagerState:
     step_no: int
 
 
-class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
+class TierManager(StepFold, PageMoves, WarmTier, WindowMigration, TierAccounting):
     """``page_bytes``: the bytes one page of one layer counts for (default: the device pool's;
     trace replay, whose pages carry one value, counts the real pages'). ``next_use(table)``:
     the step of each (layer, record)'s next access, [L, R] (Belady's oracle replays a recorded
@@ -464,66 +465,6 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         recs = plan.recs
         return selected & (self.resident(layer, recs) | self.table.staged[layer, recs])
 
-    def record_step(self, plan: StepPlan, rec: StepRecord) -> None:
-        """What the step did with the listed pages of every layer (``rec``: [L, B, M] host
-        tensors, once per step): the pages it needed and missed (decode; T0 excluded), masked
-        misses, the pages streamed through the staging area, the attention mass, the relevance
-        and the importance kept between steps. Accounts the step's reads of pages that are not
-        full-precision resident (warm decodes; streamed pages, staging rounds per layer and
-        sequence, host-to-device and disk bytes). A page several sequences list collects from
-        each: flags or-ed, masses summed, the highest importance and relevance kept."""
-        acc, t, m, L = self._access, self.table, self.metrics, self.L
-        recs, valid = plan.recs, plan.valid.unsqueeze(0)
-        # the flat [L, R] index of every entry, padding included: a padding column lists its row's first
-        # record and adds nothing (flags or-ed with False, masses 0, maxima with 0: values start at 0) —
-        # dense scatters, 4-10x faster than selecting the valid entries by mask first
-        rows = (torch.arange(L).view(L, 1, 1) * t.capacity + recs).flatten()
-
-        def flag(column: torch.Tensor, mask: torch.Tensor) -> None:  # column[L, R] |= mask[L, B, M], by record
-            column.view(torch.uint8).view(-1).scatter_reduce_(0, rows, mask.view(torch.uint8).flatten(), "amax")
-
-        if rec.mass is None:  # not measured (every page attended full precision on the device, nothing streamed):
-            # what the step needed; importance and relevance stay as they were
-            if plan.decode:
-                flag(acc.needed, (rec.selected & valid & ~plan.t0).expand(L, -1, -1))
-            return
-        at = lambda column: column.view(-1).index_select(0, rows).view(L, *recs.shape)  # noqa: E731 [L, R] -> [L, B, M]
-        dslot = at(t.device_slot)
-        full = dslot >= 0 if rec.full is None else rec.full
-        warm = ((dslot < 0) & (at(t.warm_slot) >= 0)) if rec.warm is None else rec.warm
-        staged = at(t.staged) if rec.staged is None else rec.staged
-        resident = full | warm
-        keep = valid.expand(L, -1, -1)
-        selected, attended = rec.selected & keep, rec.attended & keep
-
-        def kept(values: torch.Tensor) -> torch.Tensor:
-            return torch.where(keep, values.float(), 0.0).flatten()
-
-        if plan.decode:
-            need = selected & ~plan.t0
-            flag(acc.needed, need)
-            flag(acc.missing, need & ~resident & ~staged)
-            m.masked += count_(selected & ~attended)
-        streamed = attended & ~resident
-        warm_read = attended & warm
-        if rec.exact is not None:  # warm pages read from their exact copy (warm.exact_reads) are streamed
-            exact = rec.exact & keep
-            warm_read &= ~exact
-            streamed |= exact
-        flag(acc.streamed, streamed)
-        acc.mass.view(-1).index_add_(0, rows, kept(rec.mass))
-        importance = rec.mass if rec.importance is None else rec.importance
-        relevance = rec.mass if rec.relevance is None else rec.relevance
-        for column, values in ((acc.importance, importance), (acc.relevance, relevance)):
-            column.view(-1).scatter_reduce_(0, rows, kept(values), "amax")  # values >= 0, start at 0
-        flag(acc.scored, keep)
-        pages = attended & ~full & ~warm_read & ~staged  # streamed this step: [L, B, M]
-        per = torch.count_nonzero(pages, dim=-1)  # per layer and sequence
-        m.warm_reads += count_(warm_read)
-        m.streamed_pages += int(per.sum())
-        m.staging_rounds += int((-(-per // max(1, self.staging_pages))).sum())
-        self._count_h2d(int(per.sum()), count_(pages & (at(t.host_slot) < 0)))
-
     def seq_access(self, seq: int) -> StepAccess:
         """The open step's access record of one sequence's pages: [L, M] columns."""
         return self._access.columns(self.records_of(seq))
@@ -534,31 +475,21 @@ class TierManager(PageMoves, WarmTier, WindowMigration, TierAccounting):
         t_start = time.perf_counter()
         t, m, access = self.table, self.metrics, self._access
         prefetch = self.prefetcher is not None or any_(t.staged)  # (only a prefetch stages or marks pages)
-        measured = any_(access.scored)  # (a step that measured nothing leaves the importance as it was)
-        missed = count_(access.missing)  # (decode steps only; a subset of the pages needed)
         if decode:
             self.step_no += 1
             m.decode_steps += 1
-            needed = access.needed
-            t.last_access.masked_fill_(needed, self.step_no)
-            as_long = needed.to(torch.long)  # (adding a bool mask to a long column casts per element: 7x slower)
-            t.frequency += as_long
-            t.win_access += as_long
-            m.hits += count_(access.needed) - missed
-            m.misses += missed
             if prefetch:
                 used = access.needed & (t.prefetched | t.staged)  # there because the prefetcher brought them in
                 m.prefetch_hits += count_(used)
                 t.prefetched &= ~used
-            t.hist.bitwise_left_shift_(1).bitwise_and_(HIST_MASK).bitwise_or_(as_long)  # in place: no [L, R] copies
         else:
             m.prefill_steps += 1
+        needed, missed = self.fold_statistics(decode)
+        if decode:
+            m.hits += needed - missed
+            m.misses += missed
         if prefetch:
             m.prefetch_wasted += count_(t.staged & ~access.needed)  # staged for this step, not used by it
-        if measured:
-            t.acc_mass += access.mass
-            select_(t.last_relevance, access.scored, access.relevance)
-            select_(t.importance, access.scored, access.importance)
         if decode and self.step_no % self.config.migration.window_steps == 0:
             self._migrate()
         if not (missed or prefetch):  # nothing missing, nothing staged: nothing to admit
