@@ -14,7 +14,8 @@
 // frequency, window accesses, access history; where importance was scored: accumulated mass,
 // relevance, importance). Returns [2]: pages needed, pages needed and missing.
 //
-// Layers are independent (a record's row is layer * C + record): torch's thread pool splits them.
+// Layers are independent (a record's row is layer * C + record): torch's thread pool splits them
+// when there is enough work (layer_grain).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -134,6 +135,12 @@ RowFn pick_row(int bits, std::integer_sequence<int, kBits...>) {
   return table[bits];
 }
 
+// Layers per task of torch's thread pool: at least ~32k entries each, so a small step (SmolLM2's
+// tables) runs inline instead of waking the pool for microseconds of work.
+int64_t layer_grain(int64_t per_layer) {
+  return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, per_layer));
+}
+
 // One layer's [C] columns of fold_end: elementwise, through restrict pointers (so it vectorizes).
 void end_row(int64_t C, const bool* __restrict__ nd, const bool* __restrict__ mi, const bool* __restrict__ sc,
              const float* __restrict__ ms, const float* __restrict__ rl, const float* __restrict__ im,
@@ -209,7 +216,7 @@ at::Tensor fold_record(at::Tensor recs, at::Tensor valid, at::Tensor t0, at::Ten
                                 std::make_integer_sequence<int, 16>{});
   std::vector<int64_t> counts(5 * L, 0);  // per layer: masked, warm reads, from disk, streamed, rounds
 
-  at::parallel_for(0, L, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, L, layer_grain(B * M), [&](int64_t begin, int64_t end) {
     for (int64_t l = begin; l < end; ++l) {
       int64_t* cnt = counts.data() + 5 * l;
       for (int64_t b = 0; b < B; ++b) {
@@ -257,7 +264,7 @@ at::Tensor fold_end(at::Tensor needed, at::Tensor missing, at::Tensor scored, at
   float *am = acc_mass.data_ptr<float>(), *lr = last_relevance.data_ptr<float>(),
         *ti = table_importance.data_ptr<float>();
   std::vector<int64_t> counts(2 * L, 0);
-  at::parallel_for(0, L, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, L, layer_grain(C), [&](int64_t begin, int64_t end) {
     for (int64_t l = begin; l < end; ++l) {
       const int64_t o = l * C;
       end_row(C, nd + o, mi + o, sc + o, ms + o, rl + o, im + o, la + o, fq + o, wa + o, hs + o, am + o, lr + o, ti + o,
