@@ -77,7 +77,8 @@ struct RecordRow {
 // One row, specialized on the optional inputs. Branch-free (the flags are random per page: a
 // mispredicted branch per flag costs more than the work), through restrict locals (a bool store
 // may alias anything: the compiler would reload every pointer after each one). Adds the row's
-// counts to cnt: masked, warm reads, streamed, from disk; returns the pages it streamed.
+// masked pages to cnt[0], warm reads to cnt[1], streamed pages read from disk to cnt[3]; returns the
+// pages it streamed (the caller counts them and their staging rounds).
 template <bool kFull, bool kWarm, bool kStaged, bool kExact>
 int64_t fold_row(const RecordRow& x, bool decode, int64_t* cnt) {
   const bool *__restrict__ valid = x.valid, *__restrict__ hot = x.hot, *__restrict__ sel = x.sel,
@@ -214,7 +215,7 @@ at::Tensor fold_record(at::Tensor recs, at::Tensor valid, at::Tensor t0, at::Ten
   const RowFn row_fn = pick_row(int(fu.data != nullptr) | int(wa.data != nullptr) << 1 |
                                 int(st.data != nullptr) << 2 | int(ex.data != nullptr) << 3,
                                 std::make_integer_sequence<int, 16>{});
-  std::vector<int64_t> counts(5 * L, 0);  // per layer: masked, warm reads, from disk, streamed, rounds
+  std::vector<int64_t> counts(5 * L, 0);  // per layer: masked, warm reads, streamed, from disk, rounds
 
   at::parallel_for(0, L, layer_grain(B * M), [&](int64_t begin, int64_t end) {
     for (int64_t l = begin; l < end; ++l) {
