@@ -35,7 +35,7 @@ from tieredkv.errors import ConfigError
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 #: one extension: the attention ops and the tier manager's step accounting (tier_step.cpp)
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "tier_step.cpp")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "tier_step.cpp", CSRC / "tier_moves.cpp")
 BACKENDS = ("paged", "torch")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-lmvec", "-fopenmp"]  # glibc's vector math (the softmax's exponentials); OpenMP: torch's own runtime

@@ -14,6 +14,13 @@
 // frequency, window accesses, access history; where importance was scored: accumulated mass,
 // relevance, importance). Returns [2]: pages needed, pages needed and missing.
 //
+// pick_pages: per layer, the `counts[l]` candidates of lowest key (the replacement policy's victims,
+// `largest`: the highest — the most important of the pages wanted), ranked, ties going to the
+// earlier candidate; a candidate is a record (`cand` [L, C]) or a device-pool slot's record
+// (`owner` [L, S]: slot order), less T0 records and `protect`-ed ones. NaN ranks as +inf.
+// Returns (layers, records) [N] each, layer by layer, within a layer by rank (the moves take
+// slots in that order). The manager's torch code (runtime/tiered/moves.py: _lowest) is its reference.
+//
 // Layers are independent (a record's row is layer * C + record): torch's thread pool splits them
 // when there is enough work (layer_grain).
 
@@ -22,6 +29,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -74,53 +84,118 @@ struct RecordRow {
   float *acc_mass, *acc_imp, *acc_rel;
 };
 
-// One row, specialized on the optional inputs. Branch-free (the flags are random per page: a
-// mispredicted branch per flag costs more than the work), through restrict locals (a bool store
-// may alias anything: the compiler would reload every pointer after each one). Adds the row's
-// masked pages to cnt[0], warm reads to cnt[1], streamed pages read from disk to cnt[3]; returns the
-// pages it streamed (the caller counts them and their staging rounds).
+// A span's float statistics: mass summed in, the highest importance and relevance kept
+// (restrict parameters: the loop vectorizes).
+inline void span_stats(int64_t n, const float* __restrict__ mass, const float* __restrict__ imp,
+                       const float* __restrict__ rel, float* __restrict__ am, float* __restrict__ ai,
+                       float* __restrict__ ar) {
+  for (int64_t m = 0; m < n; ++m) {
+    am[m] += mass[m];
+    ai[m] = std::max(ai[m], imp[m]);
+    ar[m] = std::max(ar[m], rel[m]);
+  }
+}
+
+// A span's flags into the access record (needed, missing, streamed, scored) and, per column, whether
+// it was masked, read warm, or streamed (a page): byte lanes only, restrict parameters (vectorizes).
+// f, w, g, e: full-precision resident, warm, staged, read exact.
+inline void span_flags(int64_t n, uint8_t dec, const uint8_t* __restrict__ sel, const uint8_t* __restrict__ att,
+                       const uint8_t* __restrict__ hot, const uint8_t* __restrict__ f, const uint8_t* __restrict__ w,
+                       const uint8_t* __restrict__ g, const uint8_t* __restrict__ e, uint8_t* __restrict__ needed,
+                       uint8_t* __restrict__ missing, uint8_t* __restrict__ streamed, uint8_t* __restrict__ scored,
+                       uint8_t* __restrict__ was_masked, uint8_t* __restrict__ was_warm,
+                       uint8_t* __restrict__ was_page) {
+  for (int64_t m = 0; m < n; ++m) {
+    const uint8_t s = sel[m], a = att[m];
+    const uint8_t need = dec & s & (hot[m] ^ 1), held = f[m] | w[m];
+    needed[m] |= need;
+    missing[m] |= need & (held ^ 1) & (g[m] ^ 1);
+    streamed[m] |= (a & (held ^ 1)) | e[m];  // read from its exact copy: streamed, not a warm read
+    scored[m] = 1;
+    was_masked[m] = dec & s & (a ^ 1);
+    const uint8_t warm_read = a & w[m] & (e[m] ^ 1);
+    was_warm[m] = warm_read;
+    was_page[m] = a & (f[m] ^ 1) & (warm_read ^ 1) & (g[m] ^ 1);
+  }
+}
+
+// Columns [m0, m0 + n) of one row whose records run consecutively from r0, specialized on the
+// optional inputs. Branch-free (the flags are random per page: a mispredicted branch per flag costs
+// more than the work), through restrict locals (a bool store may alias anything: the compiler would
+// reload every pointer after each one) and, the records being consecutive, with no two columns on
+// one record: the loop vectorizes. Adds the span's masked pages to cnt[0], warm reads to cnt[1],
+// streamed pages to cnt[2], streamed pages read from disk to cnt[3].
 template <bool kFull, bool kWarm, bool kStaged, bool kExact>
-int64_t fold_row(const RecordRow& x, bool decode, int64_t* cnt) {
-  const bool *__restrict__ valid = x.valid, *__restrict__ hot = x.hot, *__restrict__ sel = x.sel,
-             *__restrict__ att = x.att, *__restrict__ full = x.full, *__restrict__ warm = x.warm,
-             *__restrict__ staged = x.staged, *__restrict__ exact = x.exact, *__restrict__ tst = x.table_staged;
-  const float *__restrict__ mass = x.mass, *__restrict__ imp = x.imp, *__restrict__ rel = x.rel;
-  const int64_t *__restrict__ recs = x.recs, *__restrict__ dslot = x.dslot, *__restrict__ wslot = x.wslot,
-                *__restrict__ hslot = x.hslot;
-  bool *__restrict__ needed = x.needed, *__restrict__ missing = x.missing, *__restrict__ streamed = x.streamed,
-       *__restrict__ scored = x.scored;
-  float *__restrict__ acc_mass = x.acc_mass, *__restrict__ acc_imp = x.acc_imp, *__restrict__ acc_rel = x.acc_rel;
-  int64_t masked = 0, warm_reads = 0, pages = 0, from_disk = 0;
-  for (int64_t m = 0; m < x.M; ++m) {
-    if (!valid[m]) continue;  // padding adds nothing (a row's valid columns come first: predictable)
-    const int64_t r = recs[m];
-    const bool s = sel[m], a = att[m];
-    bool f, w;
-    if constexpr (kFull) f = full[m]; else f = dslot[r] >= 0;
-    if constexpr (kWarm) w = warm[m]; else w = (dslot[r] < 0) & (wslot[r] >= 0);
-    bool g;
-    if constexpr (kStaged) g = staged[m]; else g = tst[r];
-    bool e = false;  // read from its exact copy: streamed, not a warm read
-    if constexpr (kExact) e = exact[m];
-    const bool need = decode & s & !hot[m];
-    needed[r] |= need;
-    missing[r] |= need & !(f | w) & !g;
-    masked += decode & s & !a;
-    streamed[r] |= (a & !(f | w)) | e;
-    acc_mass[r] += mass[m];
-    acc_imp[r] = std::max(acc_imp[r], imp[m]);
-    acc_rel[r] = std::max(acc_rel[r], rel[m]);
-    scored[r] = true;
-    const bool warm_read = a & w & !e;
-    warm_reads += warm_read;
-    const bool page = a & !f & !warm_read & !g;
-    pages += page;
-    from_disk += page & (hslot[r] < 0);
+void fold_span(const RecordRow& x, int64_t m0, int64_t n, int64_t r0, bool decode, int64_t* cnt) {
+  using u8 = uint8_t;  // the flags as bytes (0 / 1): GCC vectorizes byte arithmetic, not bool
+  auto in = [m0](const bool* p) { return p ? reinterpret_cast<const u8*>(p + m0) : nullptr; };  // the row's, from m0
+  auto col = [r0](bool* p) { return reinterpret_cast<u8*>(p + r0); };                         // the table's, from r0
+  auto f32 = [m0](const float* p) { return p ? p + m0 : p; };
+  const u8 *__restrict__ hot = in(x.hot), *__restrict__ sel = in(x.sel), *__restrict__ att = in(x.att),
+           *__restrict__ full = in(x.full), *__restrict__ warm = in(x.warm), *__restrict__ staged = in(x.staged),
+           *__restrict__ exact = in(x.exact), *__restrict__ tst = reinterpret_cast<const u8*>(x.table_staged + r0);
+  const float *__restrict__ mass = f32(x.mass), *__restrict__ imp = f32(x.imp), *__restrict__ rel = f32(x.rel);
+  const int64_t *__restrict__ dslot = x.dslot + r0, *__restrict__ wslot = x.wslot + r0,
+                *__restrict__ hslot = x.hslot + r0;
+  u8 *__restrict__ needed = col(x.needed), *__restrict__ missing = col(x.missing),
+     *__restrict__ streamed = col(x.streamed), *__restrict__ scored = col(x.scored);
+  float *__restrict__ acc_mass = x.acc_mass + r0, *__restrict__ acc_imp = x.acc_imp + r0,
+        *__restrict__ acc_rel = x.acc_rel + r0;
+  const u8 dec = decode;
+  int32_t masked = 0, warm_reads = 0, pages = 0, from_disk = 0;  // (a span is shorter than 2^31 columns)
+  // In chunks, one loop per element width (GCC 12 vectorizes none that mixes int64 or float lanes
+  // with byte lanes): the slot columns' flags, the byte flags, the float statistics, the counts.
+  constexpr int64_t kChunk = 256;
+  u8 full_of[kChunk], warm_of[kChunk], off_host[kChunk], was_masked[kChunk], was_warm[kChunk], was_page[kChunk];
+  u8 none[kChunk] = {};  // no exact reads
+  for (int64_t c = 0; c < n; c += kChunk) {
+    const int64_t k = std::min(kChunk, n - c);
+    for (int64_t j = 0; j < k; ++j) {
+      full_of[j] = dslot[c + j] >= 0;
+      warm_of[j] = (dslot[c + j] < 0) & (wslot[c + j] >= 0);
+      off_host[j] = hslot[c + j] < 0;
+    }
+    const u8* f = kFull ? full + c : full_of;  // the plan's residency where it gave it, else the table's
+    const u8* w = kWarm ? warm + c : warm_of;
+    const u8* g = kStaged ? staged + c : tst + c;
+    span_flags(k, dec, sel + c, att + c, hot + c, f, w, g, kExact ? exact + c : none, needed + c, missing + c,
+               streamed + c, scored + c, was_masked, was_warm, was_page);
+    span_stats(k, mass + c, imp + c, rel + c, acc_mass + c, acc_imp + c, acc_rel + c);
+    for (int64_t j = 0; j < k; ++j) {
+      masked += was_masked[j];
+      warm_reads += was_warm[j];
+      pages += was_page[j];
+      from_disk += was_page[j] & off_host[j];
+    }
   }
   cnt[0] += masked;
   cnt[1] += warm_reads;
+  cnt[2] += pages;
   cnt[3] += from_disk;
-  return pages;
+}
+
+// One (layer, sequence) row: its valid columns (padding adds nothing) in runs of consecutive
+// records — a sequence's pages are mostly recorded in order, so a row is a few long runs — each
+// folded by fold_span. Adds to cnt[0..3] as fold_span; returns the pages the row streamed (the
+// caller counts its staging rounds).
+template <bool kFull, bool kWarm, bool kStaged, bool kExact>
+int64_t fold_row(const RecordRow& x, bool decode, int64_t* cnt) {
+  int64_t span[4] = {0, 0, 0, 0};
+  for (int64_t m = 0; m < x.M;) {
+    if (!x.valid[m]) {
+      ++m;
+      continue;
+    }
+    const int64_t r0 = x.recs[m];  // the run: recs[m + j] = r0 + j
+    int64_t end = m + 1;
+    while (end < x.M && x.valid[end] && x.recs[end] == r0 + (end - m)) ++end;
+    fold_span<kFull, kWarm, kStaged, kExact>(x, m, end - m, r0, decode, span);
+    m = end;
+  }
+  cnt[0] += span[0];
+  cnt[1] += span[1];
+  cnt[3] += span[3];
+  return span[2];
 }
 
 using RowFn = int64_t (*)(const RecordRow&, bool, int64_t*);
@@ -167,6 +242,70 @@ void end_row(int64_t C, const bool* __restrict__ nd, const bool* __restrict__ mi
   }
   counts[0] = n_needed;
   counts[1] = n_missing;
+}
+
+
+// One layer's picks of pick_pages into `out` (records, by rank).
+struct Candidate {
+  uint32_t key;
+  int64_t pos, rec;
+};
+
+// The rank order: the lower key first, then the earlier candidate.
+inline bool before(const Candidate& a, const Candidate& b) { return a.key < b.key || (a.key == b.key && a.pos < b.pos); }
+
+// A float's rank as an unsigned key, on its bits (this file builds with -ffast-math, which may
+// drop NaN and infinity checks on floats): -0 as +0, NaN as +inf.
+uint32_t order_key(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  if ((b & 0x7fffffffu) == 0) b = 0;
+  if ((b & 0x7fffffffu) > 0x7f800000u) b = 0x7f800000u;
+  return (b & 0x80000000u) ? ~b : b | 0x80000000u;
+}
+
+void pick_row(int64_t l, int64_t C, int64_t S, int64_t count, bool largest, const float* prio, const bool* cand,
+              const int64_t* owner, const bool* t0, const bool* protect, std::vector<Candidate>& pool,
+              std::vector<int64_t>& out) {
+  out.clear();
+  if (count <= 0) return;
+  pool.clear();
+  // few picks among many candidates (a step's victims): the best `count` kept in a heap as the
+  // candidates stream by (most are compared with its top only); else all collected, then selected
+  const bool few = count * 16 <= (owner ? S : C);
+  const float* p = prio + l * C;
+  const bool* cd = cand ? cand + l * C : nullptr;
+  const bool* pr = protect ? protect + l * C : nullptr;
+  auto consider = [&](int64_t pos, int64_t r) {
+    if ((cd && !cd[r]) || (t0 && t0[r]) || (pr && pr[r])) return;
+    const Candidate c{order_key(largest ? -p[r] : p[r]), pos, r};
+    if (!few) {
+      pool.push_back(c);
+    } else if (static_cast<int64_t>(pool.size()) < count) {
+      pool.push_back(c);
+      std::push_heap(pool.begin(), pool.end(), before);  // a max-heap: the worst kept on top
+    } else if (before(c, pool.front())) {
+      std::pop_heap(pool.begin(), pool.end(), before);
+      pool.back() = c;
+      std::push_heap(pool.begin(), pool.end(), before);
+    }
+  };
+  if (owner) {
+    const int64_t* own = owner + l * S;
+    for (int64_t s = 0; s < S; ++s)
+      if (own[s] >= 0) consider(s, own[s]);
+  } else {
+    for (int64_t r = 0; r < C; ++r) consider(r, r);
+  }
+  if (few) {
+    std::sort_heap(pool.begin(), pool.end(), before);
+    for (const Candidate& c : pool) out.push_back(c.rec);
+    return;
+  }
+  const int64_t k = std::min<int64_t>(count, static_cast<int64_t>(pool.size()));
+  if (k < static_cast<int64_t>(pool.size())) std::nth_element(pool.begin(), pool.begin() + k, pool.end(), before);
+  std::sort(pool.begin(), pool.begin() + k, before);
+  for (int64_t i = 0; i < k; ++i) out.push_back(pool[i].rec);
 }
 
 }  // namespace
@@ -281,6 +420,56 @@ at::Tensor fold_end(at::Tensor needed, at::Tensor missing, at::Tensor scored, at
   return out;
 }
 
+
+std::tuple<at::Tensor, at::Tensor> pick_pages(at::Tensor prio, at::Tensor counts, bool largest,
+                                              c10::optional<at::Tensor> cand, c10::optional<at::Tensor> owner,
+                                              c10::optional<at::Tensor> t0, c10::optional<at::Tensor> protect) {
+  const int64_t L = prio.size(0), C = prio.dim() == 2 ? prio.size(1) : 0;
+  check_2d(prio, "prio", L, C, at::kFloat);
+  TORCH_CHECK(counts.device().is_cpu() && counts.dim() == 1 && counts.size(0) == L && counts.scalar_type() == at::kLong &&
+                  counts.is_contiguous(), "counts must be a contiguous CPU tensor of long [", L, "], got ", counts.sizes());
+  auto opt = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
+  const bool *cd = nullptr, *hot = nullptr, *pr = nullptr;
+  const int64_t* own = nullptr;
+  int64_t S = 0;
+  if (opt(cand)) {
+    check_2d(*cand, "cand", L, C, at::kBool);
+    cd = cand->data_ptr<bool>();
+  }
+  if (opt(owner)) {
+    S = owner->dim() == 2 ? owner->size(1) : 0;
+    check_2d(*owner, "owner", L, S, at::kLong);
+    own = owner->data_ptr<int64_t>();
+    for (int64_t i = 0; i < L * S; ++i) TORCH_CHECK(own[i] < C, "owner's records must lie below ", C);
+  }
+  if (opt(t0)) {
+    TORCH_CHECK(t0->device().is_cpu() && t0->dim() == 1 && t0->size(0) == C && t0->scalar_type() == at::kBool &&
+                    t0->is_contiguous(), "t0 must be a contiguous CPU tensor of bool [", C, "], got ", t0->sizes());
+    hot = t0->data_ptr<bool>();
+  }
+  if (opt(protect)) {
+    check_2d(*protect, "protect", L, C, at::kBool);
+    pr = protect->data_ptr<bool>();
+  }
+  const float* p = prio.data_ptr<float>();
+  const int64_t* want = counts.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> picks(L);
+  at::parallel_for(0, L, layer_grain(own ? S : C), [&](int64_t begin, int64_t end) {
+    std::vector<Candidate> pool;
+    for (int64_t l = begin; l < end; ++l) pick_row(l, C, S, want[l], largest, p, cd, own, hot, pr, pool, picks[l]);
+  });
+  int64_t n = 0;
+  for (const auto& v : picks) n += static_cast<int64_t>(v.size());
+  auto layers = at::empty({n}, at::kLong), recs = at::empty({n}, at::kLong);
+  int64_t *lo = layers.data_ptr<int64_t>(), *ro = recs.data_ptr<int64_t>();
+  for (int64_t l = 0; l < L; ++l)
+    for (const int64_t r : picks[l]) {
+      *lo++ = l;
+      *ro++ = r;
+    }
+  return {layers, recs};
+}
+
 TORCH_LIBRARY_FRAGMENT(tieredkv_cpu, m) {
   m.def("fold_record(Tensor recs, Tensor valid, Tensor t0, Tensor selected, Tensor attended, Tensor? mass, "
         "Tensor? importance, Tensor? relevance, Tensor? exact, Tensor? full, Tensor? warm, Tensor? staged, "
@@ -290,9 +479,12 @@ TORCH_LIBRARY_FRAGMENT(tieredkv_cpu, m) {
   m.def("fold_end(Tensor needed, Tensor missing, Tensor scored, Tensor mass, Tensor relevance, Tensor importance, "
         "Tensor(a!) last_access, Tensor(b!) frequency, Tensor(c!) win_access, Tensor(d!) hist, Tensor(e!) acc_mass, "
         "Tensor(f!) last_relevance, Tensor(g!) table_importance, bool decode, int step_no, int hist_mask) -> Tensor");
+  m.def("pick_pages(Tensor prio, Tensor counts, bool largest, Tensor? cand, Tensor? owner, Tensor? t0, "
+        "Tensor? protect) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tieredkv_cpu, CPU, m) {
   m.impl("fold_record", &fold_record);
   m.impl("fold_end", &fold_end);
+  m.impl("pick_pages", &pick_pages);
 }

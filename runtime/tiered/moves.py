@@ -14,8 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from tieredkv.errors import KVCacheFullError
+from tieredkv.models.cpu_attention import tier_step_ops
 from tieredkv.runtime.tiered.policies import PageStats
-from tieredkv.runtime.tiered.store import _rank_within_groups
+from tieredkv.runtime.tiered.store import WarmPool, _rank_within_groups
 
 INF = float("inf")
 
@@ -193,6 +194,10 @@ class PageMoves:
         back first."""
         if len(recs) == 0:
             return
+        ops = self._move_ops()
+        if ops is not None and self.host.max_capacity is None:  # (a bounded host tier may spill: the torch path)
+            self._evict_native(ops, layers, recs)
+            return
         t = self.table
         self._unprefetch(layers, recs)
         self._write_back(layers, recs)
@@ -233,6 +238,9 @@ class PageMoves:
         counted."""
         if len(recs) == 0:
             return
+        ops = self._move_ops()
+        if ops is not None and self._admit_native(ops, layers, recs, already_streamed):
+            return
         t = self.table
         self.metrics.warm_promotions += self._drop_warm(layers, recs)  # a warm copy gives way to the exact page
         slots = self.device.alloc(layers, recs)
@@ -244,6 +252,71 @@ class PageMoves:
         self.device.write(layers, slots, k, v)
         t.device_slot[layers, recs] = slots
         self.metrics.fetched_pages += len(recs)
+
+    def _move_ops(self):
+        """The extension's page moves (``models/csrc/tier_moves.cpp``) when they apply: built and on,
+        both pools and the page table on the CPU in one dtype, the table's columns contiguous;
+        else ``None`` (the torch code, their reference). Settles the disk reads in flight first."""
+        ops = tier_step_ops()
+        if ops is None:
+            return None
+        t, dev, host = self.table, self.device, self.host
+        cols = (t.device_slot, t.host_slot, t.disk_slot, t.warm_slot, t.t1, t.prefetched, t.staged)
+        if (dev.k.device.type != "cpu" or host.k.device.type != "cpu" or dev.k.dtype != host.k.dtype
+                or not all(c.device.type == "cpu" and c.is_contiguous() for c in cols)):
+            return None
+        if self._pending:
+            self._settle()
+        return ops
+
+    def _evict_native(self, ops, layers: torch.Tensor, recs: torch.Tensor) -> None:
+        """:meth:`evict` in one op (the host pool grown first when its dirty pages need it)."""
+        t, dev, host = self.table, self.device, self.host
+        layers, recs = layers.contiguous(), recs.contiguous()
+        while True:
+            wasted, written, _, _ = ops.evict_pages(layers, recs, t.device_slot, t.host_slot, t.disk_slot, t.t1,
+                                                    t.prefetched, t.staged, dev.k, dev.v, dev.owner, host.k, host.v,
+                                                    host.owner).tolist()
+            if wasted >= 0:
+                break
+            host.reserve(written)  # the slots its layers need in all: grown as alloc grows it, then again
+        dev.changed()
+        host.changed()
+        m = self.metrics
+        m.prefetch_wasted += wasted
+        if written:
+            self.transfers.to_host_counted(written, written * dev.page_bytes)
+            m.writebacks += written
+            m.bytes_d2h += written * self.page_bytes
+        m.evicted_pages += len(recs)
+
+    def _admit_native(self, ops, layers: torch.Tensor, recs: torch.Tensor, streamed: torch.Tensor | None) -> bool:
+        """:meth:`admit` in one op when every page has a host copy (the device pool grown first
+        when it must be); ``False`` when one lives on disk only (nothing done: the torch path)."""
+        t, dev, host, warm = self.table, self.device, self.host, self.warm
+        layers, recs = layers.contiguous(), recs.contiguous()
+        streamed = None if streamed is None else streamed.contiguous()
+        if warm is not None and not isinstance(warm, WarmPool):  # a ladder's slots span its rungs: released here
+            self.metrics.warm_promotions += self._drop_warm(layers, recs)
+            warm = None
+        while True:
+            released, fresh, _, _ = ops.admit_pages(layers, recs, streamed, t.device_slot, t.host_slot, t.warm_slot,
+                                                    dev.k, dev.v, dev.owner, host.k, host.v, host.owner,
+                                                    None if warm is None else warm.owner).tolist()
+            if released == -2:
+                return False
+            if released >= 0:
+                break
+            assert dev.max_capacity is None or fresh <= dev.max_capacity, "admit() called without room"
+            dev.reserve(fresh)
+        dev.changed()
+        if warm is not None:
+            warm.changed()
+        self.metrics.warm_promotions += released
+        self.transfers.count_to_device(len(recs), len(recs) * dev.page_bytes)
+        self._count_h2d(fresh, 0)
+        self.metrics.fetched_pages += len(recs)
+        return True
 
     def _unprefetch(self, layers, recs) -> None:
         """Pages leaving the device (or freed) that the prefetcher brought in and no step used:
@@ -301,42 +374,34 @@ class PageMoves:
         next_use = self.next_use(t) if self.next_use is not None else None
         return PageStats(t.last_access, t.frequency, t.importance, t.acc_mass, t.index.expand(self.L, -1), next_use)
 
-    def _lowest(self, cand: torch.Tensor, prio: torch.Tensor, counts: torch.Tensor):
-        """The ``counts[l]`` lowest-priority candidates of each layer -> (layers, records): a top-k
-        per layer, over the candidates alone when they are few (a step's wanted pages)."""
-        per = torch.count_nonzero(cand, dim=1)
-        counts = torch.minimum(counts, per)
-        k = int(counts.max()) if len(counts) else 0
-        if k == 0:
-            return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
-        width = int(per.max())
-        if 4 * width < cand.shape[1]:  # few per layer: packed into [L, width] (a layer's candidates in record order)
-            layers, recs = cand.nonzero(as_tuple=True)  # row-major: layer by layer
-            col = torch.arange(len(layers)) - (torch.cumsum(per, 0) - per)[layers]
-            p = torch.full((self.L, width), INF)
-            p[layers, col] = prio[layers, recs].float()
-            packed = torch.zeros(self.L, width, dtype=torch.long)
-            packed[layers, col] = recs
-        else:
-            p, packed = prio.float().masked_fill(~cand, INF), None
-        order = torch.topk(p, k, dim=1, largest=False, sorted=True).indices  # [L, k]
-        take = torch.arange(k).unsqueeze(0) < counts.unsqueeze(1)
-        layers = torch.arange(self.L).unsqueeze(1).expand(-1, k)[take]
-        return layers, (order if packed is None else packed.gather(1, order))[take]
+    def _lowest(self, cand: torch.Tensor, prio: torch.Tensor, counts: torch.Tensor, *, largest: bool = False):
+        """The ``counts[l]`` lowest-priority candidates of each layer (``largest``: the highest) ->
+        (layers, records), layer by layer, within a layer by rank; among equal priorities the lower
+        record first (NaN ranks as +inf). On the CPU one pass of the extension's ``pick_pages``;
+        :func:`pick_lowest` is the torch code it equals."""
+        ops = tier_step_ops() if cand.device.type == "cpu" and prio.device.type == "cpu" else None
+        if ops is not None:
+            return ops.pick_pages(prio.float().contiguous(), counts.to(torch.long).contiguous(), largest,
+                                  cand.contiguous(), None, None, None)
+        return pick_lowest(cand, -prio if largest else prio, counts)
 
     def _highest(self, cand: torch.Tensor, prio: torch.Tensor, counts: torch.Tensor):
-        return self._lowest(cand, -prio, counts)
+        return self._lowest(cand, prio, counts, largest=True)
 
     def _lowest_resident(self, prio: torch.Tensor, counts: torch.Tensor, protect: torch.Tensor | None):
         """:meth:`_lowest` among :meth:`_candidates` (``prio``: [L, R]), ranked over the device
-        pool's slots ([L, S], S the resident pages) instead of every record: the same pages, a
-        quarter of the work at a 25 % budget."""
-        own = self.device.owner
+        pool's slots ([L, S], S the resident pages; equal priorities: the lower slot first) instead
+        of every record: the same pages, a quarter of the work at a 25 % budget."""
+        own, t0 = self.device.owner, self.table.t0
+        ops = tier_step_ops() if prio.device.type == "cpu" and own.device.type == "cpu" else None
+        if ops is not None:
+            return ops.pick_pages(prio.float().contiguous(), counts.to(torch.long).contiguous(), False, None,
+                                  own.contiguous(), t0.contiguous(), None if protect is None else protect.contiguous())
         cols = own.clamp(min=0)
-        cand = (own >= 0) & ~self.table.t0[cols]
+        cand = (own >= 0) & ~t0[cols]
         if protect is not None:
             cand &= ~protect.gather(1, cols)
-        layers, idx = self._lowest(cand, prio.gather(1, cols), counts)
+        layers, idx = pick_lowest(cand, prio.gather(1, cols), counts)
         return layers, cols[layers, idx]
 
     def _candidates(self, protect: torch.Tensor | None) -> torch.Tensor:
@@ -355,3 +420,27 @@ class PageMoves:
             layers, recs = self._lowest_resident(self.policy.priority(self._stats()), short, protect)
             self.demote(layers, recs, protect)
         return torch.minimum(need, self.resident_cap - self.device.used())
+
+
+def pick_lowest(cand: torch.Tensor, prio: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch code of ``pick_pages`` (models/csrc/tier_step.cpp), its reference: per layer ``l``
+    of ``cand`` [L, W], the ``counts[l]`` candidates of lowest ``prio`` [L, W] -> (layers, positions),
+    layer by layer, within a layer by rank; equal priorities: the lower position first; NaN as +inf.
+    A layer's candidates are packed into [L, width] in position order (the fillers after them)
+    and sorted stably."""
+    L = cand.shape[0]
+    per = torch.count_nonzero(cand, dim=1)
+    counts = torch.minimum(counts.clamp(min=0), per)
+    k = int(counts.max()) if len(counts) else 0
+    if k == 0:
+        return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
+    layers, pos = cand.nonzero(as_tuple=True)  # row-major: layer by layer, positions ascending
+    col = torch.arange(len(layers)) - (torch.cumsum(per, 0) - per)[layers]
+    width = int(per.max())
+    p = torch.full((L, width), INF)
+    p[layers, col] = prio[layers, pos].float().nan_to_num(nan=INF, posinf=INF, neginf=-INF)
+    packed = torch.zeros(L, width, dtype=torch.long)
+    packed[layers, col] = pos
+    order = torch.sort(p, dim=1, stable=True).indices[:, :k]
+    take = torch.arange(k).unsqueeze(0) < counts.unsqueeze(1)
+    return torch.arange(L).unsqueeze(1).expand(-1, k)[take], packed.gather(1, order)[take]

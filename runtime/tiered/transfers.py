@@ -152,14 +152,18 @@ class Transfers:
         compute.wait_event(done)  # what the compute stream runs from now on sees the pages
         return out
 
+    def to_host_counted(self, pages: int, nbytes: int) -> None:
+        """Count one batched device -> host copy of ``pages`` pages (``nbytes`` bytes) made elsewhere."""
+        self.stats.d2h_copies += 1
+        self.stats.d2h_pages += pages
+        self.stats.d2h_bytes += nbytes
+
     def to_host(self, *tensors: torch.Tensor, pages: int) -> list[torch.Tensor]:
         """Device tensors (the K and V of ``pages`` pages) in host memory, in one copy; returns
         when they are there (the host writes them into its tier right away)."""
         if not tensors:
             return []
-        self.stats.d2h_copies += 1
-        self.stats.d2h_pages += pages
-        self.stats.d2h_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        self.to_host_counted(pages, sum(t.numel() * t.element_size() for t in tensors))
         if not self.cuda or all(t.device.type == "cpu" for t in tensors):
             return [t.cpu() for t in tensors]
         dtype = tensors[0].dtype

@@ -73,12 +73,13 @@ def _run(mgr: TierManager, backend: str, plan, rec, table_state, decode: bool):
 
 
 @needs_op
-@settings(max_examples=60, deadline=None)
-@given(layers=st.integers(1, 4), batch=st.integers(1, 4), width=st.integers(1, 9), records=st.integers(3, 13),
+@settings(max_examples=80, deadline=None)
+@given(layers=st.integers(1, 4), batch=st.integers(1, 4), width=st.integers(1, 40), records=st.integers(3, 13),
        staging=st.integers(0, 3), decode=st.booleans(), measured=st.booleans(),
-       optional=st.lists(st.booleans(), min_size=6, max_size=6), shared_layers=st.booleans(), seed=st.integers(0, 999))
+       optional=st.lists(st.booleans(), min_size=6, max_size=6), shared_layers=st.booleans(), runs=st.booleans(),
+       seed=st.integers(0, 999))
 def test_fold_ops_equal_the_torch_reference(layers, batch, width, records, staging, decode, measured, optional,
-                                            shared_layers, seed):
+                                            shared_layers, runs, seed):
     gen = torch.Generator().manual_seed(seed)
     mgr = _manager(layers, records, staging)
     _random_table(mgr, gen)
@@ -86,6 +87,10 @@ def test_fold_ops_equal_the_torch_reference(layers, batch, width, records, stagi
     lengths = torch.randint(1, width + 1, (batch,), generator=gen)
     valid = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
     recs = torch.randint(0, cap, (batch, width), generator=gen)  # repeats: records several rows list
+    if runs:  # rows of consecutive records (a sequence's pages recorded in order), broken here and there
+        start = torch.randint(0, cap, (batch, 1), generator=gen)
+        ordered = (start + torch.arange(width)) % cap
+        recs = torch.where(torch.rand(batch, width, generator=gen) < 0.85, ordered, recs)
     recs = torch.where(valid, recs, recs[:, :1])  # padding lists the row's first record
     t0 = (torch.rand(batch, width, generator=gen) < 0.3) & valid
     plan = mgr.begin_step((0,), 1)

@@ -1,0 +1,230 @@
+// The tier manager's page moves on the CPU, one pass over the moved pages each instead of some
+// twenty torch ops over (layer, record) pairs (runtime/tiered/moves.py: PageMoves.evict and
+// PageMoves.admit, whose torch code stays the reference these ops are tested against, state for
+// state: tests/runtime/tiered/test_tier_moves_op.py).
+//
+// evict_pages: full-precision pages (layers, recs) leave the device. A page the prefetcher brought
+// in or staged and no step used counts as wasted prefetch (its flags cleared); a dirty page (no
+// host and no disk copy) is copied into the next free slot of its layer's host pool first (the
+// pairs in order; free slots in ascending order, as TierPool.alloc takes them); then its device
+// slot is freed and its T1 label dropped. Returns [4]: wasted prefetches, pages written back, and
+// 0, 0 — or, when a layer's host pool lacks the free slots its dirty pages need, [-1, the host
+// slots per layer needed in all, 0, 0] with nothing changed (the caller grows the pool and calls
+// again).
+//
+// admit_pages: non-resident pages (layers, recs) become resident, copied exact from their host
+// copies into the next free device slots of their layers (same order), a warm copy released
+// first. Returns [4]: warm copies released, pages copied that were not streamed this step
+// (`streamed`), 0, 0 — or [-1, the device slots per layer needed in all, 0, 0] when a layer's device
+// pool lacks the free slots, or [-2, 0, 0, 0] when a page has no host copy (it lives on disk: the
+// caller takes the torch path), each with nothing changed.
+//
+// Pools: [L, S, ...] page tensors (contiguous; host and device of one dtype) and their owner
+// tables [L, S] (the record a slot holds, -1 free); the page table's columns are [L, C].
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <utility>
+#include <vector>
+
+namespace {
+
+void check_cols(const at::Tensor& t, const char* name, int64_t rows, at::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows, name, " must have ", rows, " rows, got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+}
+
+// The (layer, record) pairs: two [N] long tensors, every pair inside the [L, C] table.
+std::pair<const int64_t*, const int64_t*> pairs(const at::Tensor& layers, const at::Tensor& recs, int64_t L,
+                                                int64_t C) {
+  TORCH_CHECK(layers.device().is_cpu() && recs.device().is_cpu() && layers.dim() == 1 && recs.dim() == 1 &&
+                  layers.size(0) == recs.size(0) && layers.scalar_type() == at::kLong &&
+                  recs.scalar_type() == at::kLong && layers.is_contiguous() && recs.is_contiguous(),
+              "layers and recs must be contiguous CPU long tensors of one length");
+  const int64_t *l = layers.data_ptr<int64_t>(), *r = recs.data_ptr<int64_t>();
+  for (int64_t i = 0; i < layers.size(0); ++i)
+    TORCH_CHECK(l[i] >= 0 && l[i] < L && r[i] >= 0 && r[i] < C, "page (", l[i], ", ", r[i], ") outside the [", L,
+                ", ", C, "] table");
+  return {l, r};
+}
+
+// A pool's pages: their bytes and the bytes of one page.
+struct Pages {
+  char *k, *v;
+  int64_t slots, page_bytes;
+  char* at(char* base, int64_t l, int64_t s) const { return base + (l * slots + s) * page_bytes; }
+};
+
+Pages pages_of(const at::Tensor& k, const at::Tensor& v, const at::Tensor& owner, const char* name) {
+  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu() && k.is_contiguous() && v.is_contiguous() &&
+                  k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type() && k.dim() >= 2 &&
+                  k.size(0) == owner.size(0) && k.size(1) == owner.size(1),
+              name, " pool: k and v must be contiguous CPU tensors [L, S, ...] matching its owner table");
+  const int64_t per_page = k.size(0) * k.size(1) ? k.numel() / (k.size(0) * k.size(1)) : 0;
+  return {static_cast<char*>(k.data_ptr()), static_cast<char*>(v.data_ptr()), k.size(1),
+          per_page * static_cast<int64_t>(k.element_size())};
+}
+
+// Per layer, the free slots of an owner table in ascending order, taken one by one.
+struct FreeSlots {
+  const int64_t* owner;
+  int64_t slots;
+  std::vector<int64_t> next;  // per layer: the slot to look from
+  int64_t take(int64_t l) {
+    int64_t& s = next[l];
+    while (owner[l * slots + s] >= 0) ++s;  // the caller checked that enough are free
+    return s++;
+  }
+};
+
+// How many free slots each layer of an owner table has; whether `need` fits; else the slots
+// each layer needs in all (used + need), written to `total`.
+bool fits(const int64_t* owner, int64_t L, int64_t S, const std::vector<int64_t>& need, int64_t* total_max) {
+  bool ok = true;
+  *total_max = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    if (!need[l]) continue;
+    int64_t used = 0;
+    for (int64_t s = 0; s < S; ++s) used += owner[l * S + s] >= 0;
+    ok &= used + need[l] <= S;
+    *total_max = std::max(*total_max, used + need[l]);
+  }
+  return ok;
+}
+
+at::Tensor result(int64_t a, int64_t b) {
+  auto out = at::zeros({4}, at::kLong);
+  out[0] = a;
+  out[1] = b;
+  return out;
+}
+
+}  // namespace
+
+at::Tensor evict_pages(at::Tensor layers, at::Tensor recs, at::Tensor device_slot, at::Tensor host_slot,
+                       at::Tensor disk_slot, at::Tensor t1, at::Tensor prefetched, at::Tensor staged,
+                       at::Tensor dev_k, at::Tensor dev_v, at::Tensor dev_owner, at::Tensor host_k, at::Tensor host_v,
+                       at::Tensor host_owner) {
+  const int64_t L = device_slot.size(0), C = device_slot.dim() == 2 ? device_slot.size(1) : 0;
+  for (auto [t, name] : {std::pair{&device_slot, "device_slot"}, {&host_slot, "host_slot"}, {&disk_slot, "disk_slot"},
+                         {&dev_owner, "device owner"}, {&host_owner, "host owner"}})
+    check_cols(*t, name, L, at::kLong);
+  for (auto [t, name] : {std::pair{&t1, "t1"}, {&prefetched, "prefetched"}, {&staged, "staged"}})
+    check_cols(*t, name, L, at::kBool);
+  for (auto* t : {&host_slot, &disk_slot, &t1, &prefetched, &staged})
+    TORCH_CHECK(t->size(1) == C, "the page table's columns must all be [", L, ", ", C, "]");
+  const auto dev = pages_of(dev_k, dev_v, dev_owner, "device"), host = pages_of(host_k, host_v, host_owner, "host");
+  TORCH_CHECK(dev_k.scalar_type() == host_k.scalar_type() && dev.page_bytes == host.page_bytes,
+              "the device and host pools must hold pages of one shape and dtype");
+  auto [lp, rp] = pairs(layers, recs, L, C);
+  const int64_t N = layers.size(0);
+  int64_t *ds = device_slot.data_ptr<int64_t>(), *hs = host_slot.data_ptr<int64_t>(),
+          *dk = disk_slot.data_ptr<int64_t>(), *down = dev_owner.data_ptr<int64_t>(),
+          *hown = host_owner.data_ptr<int64_t>();
+  bool *t1p = t1.data_ptr<bool>(), *pf = prefetched.data_ptr<bool>(), *st = staged.data_ptr<bool>();
+  std::vector<int64_t> dirty(L, 0);
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t at_ = lp[i] * C + rp[i];
+    TORCH_CHECK(ds[at_] >= 0 && ds[at_] < dev.slots, "page (", lp[i], ", ", rp[i], ") is not resident");
+    dirty[lp[i]] += (hs[at_] < 0) & (dk[at_] < 0);
+  }
+  int64_t host_total = 0;
+  if (!fits(hown, L, host.slots, dirty, &host_total)) return result(-1, host_total);
+  FreeSlots free{hown, host.slots, std::vector<int64_t>(L, 0)};
+  int64_t wasted = 0, written = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t l = lp[i], at_ = l * C + rp[i], d = ds[at_];
+    wasted += pf[at_] | st[at_];
+    pf[at_] = st[at_] = false;
+    if ((hs[at_] < 0) & (dk[at_] < 0)) {
+      const int64_t h = free.take(l);
+      std::memcpy(host.at(host.k, l, h), dev.at(dev.k, l, d), dev.page_bytes);
+      std::memcpy(host.at(host.v, l, h), dev.at(dev.v, l, d), dev.page_bytes);
+      hown[l * host.slots + h] = rp[i];
+      hs[at_] = h;
+      ++written;
+    }
+    down[l * dev.slots + d] = -1;
+    ds[at_] = -1;
+    t1p[at_] = false;
+  }
+  return result(wasted, written);
+}
+
+at::Tensor admit_pages(at::Tensor layers, at::Tensor recs, c10::optional<at::Tensor> streamed, at::Tensor device_slot,
+                       at::Tensor host_slot, at::Tensor warm_slot, at::Tensor dev_k, at::Tensor dev_v,
+                       at::Tensor dev_owner, at::Tensor host_k, at::Tensor host_v, at::Tensor host_owner,
+                       c10::optional<at::Tensor> warm_owner) {
+  const int64_t L = device_slot.size(0), C = device_slot.dim() == 2 ? device_slot.size(1) : 0;
+  for (auto [t, name] : {std::pair{&device_slot, "device_slot"}, {&host_slot, "host_slot"}, {&warm_slot, "warm_slot"},
+                         {&dev_owner, "device owner"}, {&host_owner, "host owner"}})
+    check_cols(*t, name, L, at::kLong);
+  TORCH_CHECK(host_slot.size(1) == C && warm_slot.size(1) == C, "the page table's columns must all be [", L, ", ",
+              C, "]");
+  const auto dev = pages_of(dev_k, dev_v, dev_owner, "device"), host = pages_of(host_k, host_v, host_owner, "host");
+  TORCH_CHECK(dev_k.scalar_type() == host_k.scalar_type() && dev.page_bytes == host.page_bytes,
+              "the device and host pools must hold pages of one shape and dtype");
+  auto [lp, rp] = pairs(layers, recs, L, C);
+  const int64_t N = layers.size(0);
+  const bool* sp = nullptr;
+  if (streamed.has_value() && streamed->defined()) {
+    TORCH_CHECK(streamed->device().is_cpu() && streamed->dim() == 1 && streamed->size(0) == N &&
+                    streamed->scalar_type() == at::kBool && streamed->is_contiguous(),
+                "streamed must be a contiguous CPU bool tensor [", N, "]");
+    sp = streamed->data_ptr<bool>();
+  }
+  int64_t* wown = nullptr;
+  int64_t warm_slots = 0;
+  if (warm_owner.has_value() && warm_owner->defined()) {
+    check_cols(*warm_owner, "warm owner", L, at::kLong);
+    wown = warm_owner->data_ptr<int64_t>();
+    warm_slots = warm_owner->size(1);
+  }
+  int64_t *ds = device_slot.data_ptr<int64_t>(), *hs = host_slot.data_ptr<int64_t>(),
+          *ws = warm_slot.data_ptr<int64_t>(), *down = dev_owner.data_ptr<int64_t>();
+  std::vector<int64_t> need(L, 0);
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t at_ = lp[i] * C + rp[i];
+    TORCH_CHECK(ds[at_] < 0, "page (", lp[i], ", ", rp[i], ") is resident already");
+    TORCH_CHECK(ws[at_] < 0 || (wown && ws[at_] < warm_slots), "page (", lp[i], ", ", rp[i],
+                ") has a warm copy but no warm pool was given");
+    if (hs[at_] < 0) return result(-2, 0);  // on disk: the torch path reads it
+    ++need[lp[i]];
+  }
+  int64_t dev_total = 0;
+  if (!fits(down, L, dev.slots, need, &dev_total)) return result(-1, dev_total);
+  FreeSlots free{down, dev.slots, std::vector<int64_t>(L, 0)};
+  int64_t warm_released = 0, fresh = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t l = lp[i], at_ = l * C + rp[i], h = hs[at_];
+    if (ws[at_] >= 0) {
+      wown[l * warm_slots + ws[at_]] = -1;
+      ws[at_] = -1;
+      ++warm_released;
+    }
+    const int64_t d = free.take(l);
+    std::memcpy(dev.at(dev.k, l, d), host.at(host.k, l, h), dev.page_bytes);
+    std::memcpy(dev.at(dev.v, l, d), host.at(host.v, l, h), dev.page_bytes);
+    down[l * dev.slots + d] = rp[i];
+    ds[at_] = d;
+    fresh += !(sp && sp[i]);
+  }
+  return result(warm_released, fresh);
+}
+
+TORCH_LIBRARY_FRAGMENT(tieredkv_cpu, m) {
+  m.def("evict_pages(Tensor layers, Tensor recs, Tensor(a!) device_slot, Tensor(b!) host_slot, Tensor disk_slot, "
+        "Tensor(c!) t1, Tensor(d!) prefetched, Tensor(e!) staged, Tensor dev_k, Tensor dev_v, Tensor(f!) dev_owner, "
+        "Tensor(g!) host_k, Tensor(h!) host_v, Tensor(i!) host_owner) -> Tensor");
+  m.def("admit_pages(Tensor layers, Tensor recs, Tensor? streamed, Tensor(a!) device_slot, Tensor host_slot, "
+        "Tensor(b!) warm_slot, Tensor(c!) dev_k, Tensor(d!) dev_v, Tensor(e!) dev_owner, Tensor host_k, "
+        "Tensor host_v, Tensor host_owner, Tensor(f!)? warm_owner) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tieredkv_cpu, CPU, m) {
+  m.impl("evict_pages", &evict_pages);
+  m.impl("admit_pages", &admit_pages);
+}

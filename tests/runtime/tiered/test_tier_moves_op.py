@@ -1,0 +1,219 @@
+"""The tier manager's page moves through the CPU extension (models/csrc: ``pick_pages`` in
+tier_step.cpp, ``evict_pages`` / ``admit_pages`` in tier_moves.cpp) against its torch code
+(runtime/tiered/moves.py), the reference: the same picks on random priorities with ties, NaN and
+infinities; and two managers driven through the same decode steps under binding budgets — one on
+the ops, one on the torch code — hold the same page table, the same pools (owners and page
+bytes), the same metrics and transfer counts after every step, with and without a warm tier, a
+bounded host tier and a disk tier."""
+
+import dataclasses
+import tempfile
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from tieredkv.models.cpu_attention import cpu_attention_status, set_cpu_manager, tier_step_ops
+from tieredkv.plugins.codec import CODECS, page_bytes as codec_page_bytes
+from tieredkv.runtime.tiered.budgets import resolve_budgets
+from tieredkv.runtime.tiered.config import TieredKVConfig
+from tieredkv.runtime.tiered.manager import TierManager
+from tieredkv.runtime.tiered.moves import pick_lowest
+from tieredkv.runtime.tiered.policies import make_policy
+from tieredkv.runtime.tiered.prefetch import make_prefetcher
+from tieredkv.runtime.tiered.step import StepRecord
+
+needs_op = pytest.mark.skipif(tier_step_ops() is None,
+                              reason=f"the CPU ops could not be built here: {cpu_attention_status()['error']}")
+
+COLUMNS = ("device_slot", "warm_slot", "host_slot", "disk_slot", "t1", "prefetched", "staged", "last_access",
+           "frequency", "importance", "acc_mass")
+
+
+def _priorities(gen: torch.Generator, shape) -> torch.Tensor:
+    """Few distinct values (ties everywhere), some NaN, +-inf and -0.0."""
+    p = torch.randint(-2, 3, shape, generator=gen).float()
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+    pick = torch.randint(0, 12, shape, generator=gen)
+    return torch.where(pick < 4, special[pick.clamp(max=3)], p)
+
+
+@needs_op
+@settings(max_examples=80, deadline=None)
+@given(layers=st.integers(1, 5), records=st.integers(1, 200), slots=st.integers(1, 60), share=st.floats(0, 1),
+       largest=st.booleans(), owner_mode=st.booleans(), with_t0=st.booleans(), with_protect=st.booleans(),
+       seed=st.integers(0, 9999))
+def test_pick_pages_equals_the_torch_reference(layers, records, slots, share, largest, owner_mode, with_t0,
+                                               with_protect, seed):
+    gen = torch.Generator().manual_seed(seed)
+    prio = _priorities(gen, (layers, records))
+    few = torch.randint(-1, 4, (layers,), generator=gen)  # (few picks among many: the heap path)
+    counts = torch.randint(-1, records + 2, (layers,), generator=gen)
+    counts = torch.where(torch.rand(layers, generator=gen) < 0.5, few, counts)
+    t0 = (torch.rand(records, generator=gen) < 0.2) if with_t0 else None
+    protect = (torch.rand(layers, records, generator=gen) < 0.2) if with_protect else None
+    key = -prio if largest else prio
+    if owner_mode:  # a device pool's slots: each record in at most one slot of a layer, some free
+        owner = torch.stack([torch.randperm(max(records, slots), generator=gen)[:slots] for _ in range(layers)])
+        owner = torch.where((owner < records) & (torch.rand(layers, slots, generator=gen) < share + 0.1), owner, -1)
+        got = tier_step_ops().pick_pages(prio, counts, largest, None, owner, t0, protect)
+        cols = owner.clamp(min=0)
+        cand = owner >= 0
+        if t0 is not None:
+            cand &= ~t0[cols]
+        if protect is not None:
+            cand &= ~protect.gather(1, cols)
+        wl, idx = pick_lowest(cand, key.gather(1, cols), counts)
+        want = (wl, cols[wl, idx])
+    else:
+        cand = torch.rand(layers, records, generator=gen) < share
+        got = tier_step_ops().pick_pages(prio, counts, largest, cand, None, t0, protect)
+        if t0 is not None:
+            cand &= ~t0
+        if protect is not None:
+            cand &= ~protect
+        want = pick_lowest(cand, key, counts)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@needs_op
+def test_pick_pages_ranks_ties_by_position_and_nan_as_inf():
+    prio = torch.tensor([[1.0, float("nan"), 0.0, 1.0, -0.0, float("inf")]])
+    ops = tier_step_ops()
+    layers, recs = ops.pick_pages(prio, torch.tensor([6]), False, torch.ones(1, 6, dtype=torch.bool), None, None, None)
+    assert recs.tolist() == [2, 4, 0, 3, 1, 5] and layers.tolist() == [0] * 6
+    _, recs = ops.pick_pages(prio, torch.tensor([3]), True, torch.ones(1, 6, dtype=torch.bool), None, None, None)
+    assert recs.tolist() == [5, 0, 3]
+
+
+def _manager(warm: str, host_budget: str | None, disk: bool, batch: int, prefetch: bool = False) -> TierManager:
+    L, P, context = 3, 4, 88  # 64 prefilled tokens and 24 decoded per sequence
+    cfg = TieredKVConfig(page_size=P, sink_tokens=4, recent_tokens=8, device_budget="50%", host_budget=host_budget,
+                         policy="lfu-importance", mode="exact", warm_codec=warm, staging_pages=2, window_steps=4,
+                         disk_path=(tempfile.mkdtemp() + "/t4.bin") if disk else None,
+                         prefetch_predictor="last" if prefetch else None,
+                         **({} if warm == "off" else {"warm_fraction": 0.5}))
+    warm_bytes = None if warm == "off" else (codec_page_bytes(CODECS[warm], 2, P, 8),)
+    budgets = resolve_budgets(cfg, num_layers=L, token_bytes_per_layer=2 * 2 * 8 * 2, full_tokens=context,
+                              num_sequences=batch, dtype=torch.float16, warm_page_bytes=warm_bytes)
+    return TierManager(num_layers=L, kv_heads=2, head_dim=8, dtype=torch.float16, config=cfg, budgets=budgets,
+                       policy=make_policy(cfg.migration.policy), prefetcher=make_prefetcher(cfg))
+
+
+def _drive(backend: str, warm: str, host_budget: str | None, disk: bool, batch: int, seed: int,
+           prefetch: bool = False) -> list[dict]:
+    """Prefill ``batch`` sequences in chunks, then decode steps that need random pages (the
+    overhead benchmark's pattern: a recent stretch, recurring pages, a few at random); the state
+    after every step."""
+    set_cpu_manager(backend)
+    try:
+        mgr = _manager(warm, host_budget, disk, batch, prefetch)
+        gen = torch.Generator().manual_seed(seed)
+        seqs = tuple(range(batch))
+        for b in seqs:
+            mgr.add_sequence(b)
+        states = []
+
+        def write(plan, n):
+            for layer in range(mgr.L):
+                k, v = torch.randn(2, batch * n, 2, 8, generator=gen).half()
+                mgr.write_tokens(layer, plan, k, v, torch.rand(batch * n, generator=gen))
+
+        for _ in range(4):
+            plan = mgr.begin_step(seqs, 16)
+            write(plan, 16)
+            mgr.end_step(decode=False)
+            states.append(_state(mgr))
+        hot = torch.randint(1, 12, (mgr.L, batch, 4), generator=gen)
+        rows, cols = torch.arange(mgr.L).view(-1, 1, 1), torch.arange(batch).view(1, -1, 1)
+        for _ in range(24):
+            plan = mgr.begin_step(seqs, 1)
+            write(plan, 1)
+            m = plan.width
+            needed = torch.zeros(mgr.L, batch, m, dtype=torch.bool)
+            needed[:, :, max(1, m - 8): m - 3] = True
+            needed[rows, cols, hot.clamp(max=m - 4)] = True
+            needed[rows, cols, torch.randint(1, max(2, m - 4), (mgr.L, batch, 3), generator=gen)] = True
+            selected = (needed | plan.t0.unsqueeze(0)) & plan.valid.unsqueeze(0)
+            mgr.record_step(plan, StepRecord(selected=selected, attended=selected, relevance=None,
+                                             importance=torch.rand(mgr.L, batch, m, generator=gen),
+                                             mass=torch.rand(mgr.L, batch, m, generator=gen) * selected))
+            mgr.end_step(decode=True)
+            mgr.check_invariants()
+            states.append(_state(mgr))
+        if mgr.warm is not None:  # every warm page promoted (as a window's promotion would): warm copies released
+            t = mgr.table
+            warm = t.warm_slot >= 0
+            room = mgr._make_room(warm.sum(1), protect=warm)
+            mgr.admit(*mgr._highest(warm, t.importance, room))
+            mgr.check_invariants()
+            states.append(_state(mgr))
+        mgr.close()
+        return states
+    finally:
+        set_cpu_manager("native")
+
+
+def _state(mgr: TierManager) -> dict:
+    t = mgr.table
+    out = {f"table.{c}": getattr(t, c).clone() for c in COLUMNS}
+    for pool, _ in mgr._pools():
+        if pool is not None and hasattr(pool, "owner"):
+            out[f"{pool.name}.owner"] = pool.owner.clone()
+            out[f"{pool.name}.used"] = pool.used()
+    for pool in (mgr.device, mgr.host):  # the pages in every owned slot
+        own = pool.owner >= 0
+        out[f"{pool.name}.k"], out[f"{pool.name}.v"] = pool.k[own].clone(), pool.v[own].clone()
+    metrics = dataclasses.asdict(mgr.metrics)
+    out["metrics"] = {k: v for k, v in metrics.items() if not k.endswith("_seconds")}  # (timings differ)
+    out["transfers"] = dataclasses.asdict(mgr.transfers.stats)
+    return out
+
+
+@needs_op
+@settings(max_examples=16, deadline=None)
+@given(warm=st.sampled_from(["off", "int4"]), host_budget=st.sampled_from([None, "25%"]), batch=st.integers(1, 3),
+       prefetch=st.booleans(), seed=st.integers(0, 999))
+def test_moves_through_the_ops_equal_the_torch_moves(warm, host_budget, batch, prefetch, seed):
+    disk = host_budget is not None  # a bounded host tier spills to disk: the ops leave those moves to torch
+    native = _drive("native", warm, host_budget, disk, batch, seed, prefetch)
+    ref = _drive("torch", warm, host_budget, disk, batch, seed, prefetch)
+    last = ref[-1]["metrics"]
+    assert last["fetched_pages"] > 0 and last["writebacks"] > 0  # the budget binds: pages moved both ways
+    if warm != "off" and last["compressed_pages"]:
+        assert last["warm_promotions"] > 0
+    if prefetch:
+        assert last["prefetched_pages"] > 0
+    for step, (got, want) in enumerate(zip(native, ref)):
+        for key, value in want.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got[key], value), f"step {step}: {key}"
+            else:
+                assert got[key] == value, f"step {step}: {key}"
+
+
+@needs_op
+def test_move_ops_refuse_bad_pages():
+    """A page outside the table, an eviction of a page not resident, an admission of a resident one:
+    refused with what is wrong, nothing moved."""
+    mgr = _manager("off", None, False, 1)
+    mgr.add_sequence(0)
+    plan = mgr.begin_step((0,), 16)
+    mgr.end_step(decode=False)
+    del plan
+    t, dev, host = mgr.table, mgr.device, mgr.host
+    ops = tier_step_ops()
+    before = t.device_slot.clone()
+
+    def evict(layers, recs):
+        return ops.evict_pages(torch.tensor(layers), torch.tensor(recs), t.device_slot, t.host_slot, t.disk_slot,
+                               t.t1, t.prefetched, t.staged, dev.k, dev.v, dev.owner, host.k, host.v, host.owner)
+
+    with pytest.raises(RuntimeError, match="outside the"):
+        evict([0], [t.capacity])
+    with pytest.raises(RuntimeError, match="is not resident"):
+        evict([0], [t.capacity - 1])
+    with pytest.raises(RuntimeError, match="is resident already"):
+        ops.admit_pages(torch.tensor([0]), torch.tensor([0]), None, t.device_slot, t.host_slot, t.warm_slot,
+                        dev.k, dev.v, dev.owner, host.k, host.v, host.owner, None)
+    assert torch.equal(t.device_slot, before)
