@@ -16,10 +16,10 @@
 //
 // pick_pages: per layer, the `counts[l]` candidates of lowest key (the replacement policy's victims,
 // `largest`: the highest — the most important of the pages wanted), ranked, ties going to the
-// earlier candidate; a candidate is a record (`cand` [L, C]) or a device-pool slot's record
-// (`owner` [L, S]: slot order), less T0 records and `protect`-ed ones. NaN ranks as +inf.
+// lower record; a candidate is a record `cand`-idate ([L, C] bool) and `resident` ([L, C] device
+// slots: >= 0), less T0 records and `protect`-ed ones (each input optional). NaN ranks as +inf.
 // Returns (layers, records) [N] each, layer by layer, within a layer by rank (the moves take
-// slots in that order). The manager's torch code (runtime/tiered/moves.py: _lowest) is its reference.
+// slots in that order). The manager's torch code (runtime/tiered/moves.py: pick_lowest) is its reference.
 //
 // Layers are independent (a record's row is layer * C + record): torch's thread pool splits them
 // when there is enough work (layer_grain).
@@ -246,13 +246,11 @@ void end_row(int64_t C, const bool* __restrict__ nd, const bool* __restrict__ mi
 
 
 // One layer's picks of pick_pages into `out` (records, by rank).
-struct Candidate {
-  uint32_t key;
-  int64_t pos, rec;
-};
+// A candidate as one integer: its key above, its record below — the rank order (the lower key
+// first, then the lower record) is the integers' order.
+using Candidate = uint64_t;
 
-// The rank order: the lower key first, then the earlier candidate.
-inline bool before(const Candidate& a, const Candidate& b) { return a.key < b.key || (a.key == b.key && a.pos < b.pos); }
+inline bool before(Candidate a, Candidate b) { return a < b; }
 
 // A float's rank as an unsigned key, on its bits (this file builds with -ffast-math, which may
 // drop NaN and infinity checks on floats): -0 as +0, NaN as +inf.
@@ -264,21 +262,33 @@ uint32_t order_key(float f) {
   return (b & 0x80000000u) ? ~b : b | 0x80000000u;
 }
 
-void pick_row(int64_t l, int64_t C, int64_t S, int64_t count, bool largest, const float* prio, const bool* cand,
-              const int64_t* owner, const bool* t0, const bool* protect, std::vector<Candidate>& pool,
-              std::vector<int64_t>& out) {
+void pick_layer(int64_t l, int64_t C, int64_t count, bool largest, const float* prio, const bool* cand,
+                const int64_t* resident, const bool* t0, const bool* protect, std::vector<int64_t>& idx,
+                std::vector<Candidate>& pool, std::vector<int64_t>& out) {
   out.clear();
   if (count <= 0) return;
   pool.clear();
-  // few picks among many candidates (a step's victims): the best `count` kept in a heap as the
-  // candidates stream by (most are compared with its top only); else all collected, then selected
-  const bool few = count * 16 <= (owner ? S : C);
   const float* p = prio + l * C;
   const bool* cd = cand ? cand + l * C : nullptr;
+  const int64_t* rs = resident ? resident + l * C : nullptr;
   const bool* pr = protect ? protect + l * C : nullptr;
-  auto consider = [&](int64_t pos, int64_t r) {
-    if ((cd && !cd[r]) || (t0 && t0[r]) || (pr && pr[r])) return;
-    const Candidate c{order_key(largest ? -p[r] : p[r]), pos, r};
+  // the candidates' records in order, compacted branch-free (which records qualify is random: a
+  // branch per record would mispredict), the table's columns read sequentially
+  idx.resize(C);
+  int64_t n = 0;
+  for (int64_t r = 0; r < C; ++r) {
+    const bool ok = (!cd || cd[r]) & (!rs || rs[r] >= 0) & (!t0 || !t0[r]) & (!pr || !pr[r]);
+    idx[n] = r;
+    n += ok;
+  }
+  // a few picks among many candidates: the best `count` kept in a heap as the candidates go by (most
+  // are compared with its top only; a heap of hundreds costs more in replacements than a selection);
+  // else all collected, then selected
+  const bool few = count <= 64 && count * 16 <= n;
+  pool.reserve(few ? count : n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = idx[i];
+    const Candidate c = uint64_t{order_key(largest ? -p[r] : p[r])} << 32 | static_cast<uint64_t>(r);
     if (!few) {
       pool.push_back(c);
     } else if (static_cast<int64_t>(pool.size()) < count) {
@@ -289,23 +299,16 @@ void pick_row(int64_t l, int64_t C, int64_t S, int64_t count, bool largest, cons
       pool.back() = c;
       std::push_heap(pool.begin(), pool.end(), before);
     }
-  };
-  if (owner) {
-    const int64_t* own = owner + l * S;
-    for (int64_t s = 0; s < S; ++s)
-      if (own[s] >= 0) consider(s, own[s]);
-  } else {
-    for (int64_t r = 0; r < C; ++r) consider(r, r);
   }
   if (few) {
     std::sort_heap(pool.begin(), pool.end(), before);
-    for (const Candidate& c : pool) out.push_back(c.rec);
+    for (const Candidate c : pool) out.push_back(static_cast<int64_t>(c & 0xffffffffu));
     return;
   }
   const int64_t k = std::min<int64_t>(count, static_cast<int64_t>(pool.size()));
   if (k < static_cast<int64_t>(pool.size())) std::nth_element(pool.begin(), pool.begin() + k, pool.end(), before);
   std::sort(pool.begin(), pool.begin() + k, before);
-  for (int64_t i = 0; i < k; ++i) out.push_back(pool[i].rec);
+  for (int64_t i = 0; i < k; ++i) out.push_back(static_cast<int64_t>(pool[i] & 0xffffffffu));
 }
 
 }  // namespace
@@ -422,25 +425,23 @@ at::Tensor fold_end(at::Tensor needed, at::Tensor missing, at::Tensor scored, at
 
 
 std::tuple<at::Tensor, at::Tensor> pick_pages(at::Tensor prio, at::Tensor counts, bool largest,
-                                              c10::optional<at::Tensor> cand, c10::optional<at::Tensor> owner,
+                                              c10::optional<at::Tensor> cand, c10::optional<at::Tensor> resident,
                                               c10::optional<at::Tensor> t0, c10::optional<at::Tensor> protect) {
   const int64_t L = prio.size(0), C = prio.dim() == 2 ? prio.size(1) : 0;
   check_2d(prio, "prio", L, C, at::kFloat);
+  TORCH_CHECK(C <= (int64_t{1} << 32), "pick_pages takes at most 2^32 records, got ", C);
   TORCH_CHECK(counts.device().is_cpu() && counts.dim() == 1 && counts.size(0) == L && counts.scalar_type() == at::kLong &&
                   counts.is_contiguous(), "counts must be a contiguous CPU tensor of long [", L, "], got ", counts.sizes());
   auto opt = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
   const bool *cd = nullptr, *hot = nullptr, *pr = nullptr;
-  const int64_t* own = nullptr;
-  int64_t S = 0;
+  const int64_t* rs = nullptr;
   if (opt(cand)) {
     check_2d(*cand, "cand", L, C, at::kBool);
     cd = cand->data_ptr<bool>();
   }
-  if (opt(owner)) {
-    S = owner->dim() == 2 ? owner->size(1) : 0;
-    check_2d(*owner, "owner", L, S, at::kLong);
-    own = owner->data_ptr<int64_t>();
-    for (int64_t i = 0; i < L * S; ++i) TORCH_CHECK(own[i] < C, "owner's records must lie below ", C);
+  if (opt(resident)) {
+    check_2d(*resident, "resident", L, C, at::kLong);
+    rs = resident->data_ptr<int64_t>();
   }
   if (opt(t0)) {
     TORCH_CHECK(t0->device().is_cpu() && t0->dim() == 1 && t0->size(0) == C && t0->scalar_type() == at::kBool &&
@@ -454,9 +455,11 @@ std::tuple<at::Tensor, at::Tensor> pick_pages(at::Tensor prio, at::Tensor counts
   const float* p = prio.data_ptr<float>();
   const int64_t* want = counts.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> picks(L);
-  at::parallel_for(0, L, layer_grain(own ? S : C), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, L, layer_grain(C), [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> idx;
     std::vector<Candidate> pool;
-    for (int64_t l = begin; l < end; ++l) pick_row(l, C, S, want[l], largest, p, cd, own, hot, pr, pool, picks[l]);
+    for (int64_t l = begin; l < end; ++l)
+      pick_layer(l, C, want[l], largest, p, cd, rs, hot, pr, idx, pool, picks[l]);
   });
   int64_t n = 0;
   for (const auto& v : picks) n += static_cast<int64_t>(v.size());
@@ -479,7 +482,7 @@ TORCH_LIBRARY_FRAGMENT(tieredkv_cpu, m) {
   m.def("fold_end(Tensor needed, Tensor missing, Tensor scored, Tensor mass, Tensor relevance, Tensor importance, "
         "Tensor(a!) last_access, Tensor(b!) frequency, Tensor(c!) win_access, Tensor(d!) hist, Tensor(e!) acc_mass, "
         "Tensor(f!) last_relevance, Tensor(g!) table_importance, bool decode, int step_no, int hist_mask) -> Tensor");
-  m.def("pick_pages(Tensor prio, Tensor counts, bool largest, Tensor? cand, Tensor? owner, Tensor? t0, "
+  m.def("pick_pages(Tensor prio, Tensor counts, bool largest, Tensor? cand, Tensor? resident, Tensor? t0, "
         "Tensor? protect) -> (Tensor, Tensor)");
 }
 

@@ -389,20 +389,16 @@ class PageMoves:
         return self._lowest(cand, prio, counts, largest=True)
 
     def _lowest_resident(self, prio: torch.Tensor, counts: torch.Tensor, protect: torch.Tensor | None):
-        """:meth:`_lowest` among :meth:`_candidates` (``prio``: [L, R]), ranked over the device
-        pool's slots ([L, S], S the resident pages; equal priorities: the lower slot first) instead
-        of every record: the same pages, a quarter of the work at a 25 % budget."""
-        own, t0 = self.device.owner, self.table.t0
-        ops = tier_step_ops() if prio.device.type == "cpu" and own.device.type == "cpu" else None
+        """:meth:`_lowest` among :meth:`_candidates` (``prio``: [L, R]): the policy's victims. On the
+        CPU the extension's ``pick_pages`` reads the residency, T0 and ``protect`` itself (no [L, R]
+        mask built first)."""
+        t = self.table
+        ops = tier_step_ops() if prio.device.type == "cpu" and t.device_slot.device.type == "cpu" else None
         if ops is not None:
             return ops.pick_pages(prio.float().contiguous(), counts.to(torch.long).contiguous(), False, None,
-                                  own.contiguous(), t0.contiguous(), None if protect is None else protect.contiguous())
-        cols = own.clamp(min=0)
-        cand = (own >= 0) & ~t0[cols]
-        if protect is not None:
-            cand &= ~protect.gather(1, cols)
-        layers, idx = pick_lowest(cand, prio.gather(1, cols), counts)
-        return layers, cols[layers, idx]
+                                  t.device_slot.contiguous(), t.t0.contiguous(),
+                                  None if protect is None else protect.contiguous())
+        return pick_lowest(self._candidates(protect), prio, counts)
 
     def _candidates(self, protect: torch.Tensor | None) -> torch.Tensor:
         """Full-precision resident pages that may leave the device: not T0, not ``protect``-ed."""

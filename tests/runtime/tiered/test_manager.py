@@ -93,8 +93,8 @@ def test_lowest_picks_each_layers_lowest_priority_candidates(layers, records, sh
 
 
 def test_lowest_resident_ranks_the_device_pools_pages():
-    """Eviction candidates ranked over the device pool's slots: the same pages a top-k over every
-    record picks — resident, not T0, not protected."""
+    """Eviction candidates (the residency, T0 and the protected set read by the ranking itself): the
+    same pages a top-k over every record picks — resident, not T0, not protected."""
     cfg = TieredKVConfig(page_size=4, sink_tokens=4, recent_tokens=4, staging_pages=1, policy="lru")
     budgets = ResolvedBudgets(device_pages=None, host_pages=None, attention_pages=None, hot_key_pages=0,
                               staging_pages=1)

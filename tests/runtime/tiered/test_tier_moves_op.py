@@ -40,44 +40,35 @@ def _priorities(gen: torch.Generator, shape) -> torch.Tensor:
 
 @needs_op
 @settings(max_examples=80, deadline=None)
-@given(layers=st.integers(1, 5), records=st.integers(1, 200), slots=st.integers(1, 60), share=st.floats(0, 1),
-       largest=st.booleans(), owner_mode=st.booleans(), with_t0=st.booleans(), with_protect=st.booleans(),
-       seed=st.integers(0, 9999))
-def test_pick_pages_equals_the_torch_reference(layers, records, slots, share, largest, owner_mode, with_t0,
-                                               with_protect, seed):
+@given(layers=st.integers(1, 5), records=st.integers(1, 200), share=st.floats(0, 1), largest=st.booleans(),
+       inputs=st.lists(st.booleans(), min_size=4, max_size=4), seed=st.integers(0, 9999))
+def test_pick_pages_equals_the_torch_reference(layers, records, share, largest, inputs, seed):
+    """Candidates from any of the optional inputs (a mask, the residency, T0, a protected set)."""
     gen = torch.Generator().manual_seed(seed)
     prio = _priorities(gen, (layers, records))
     few = torch.randint(-1, 4, (layers,), generator=gen)  # (few picks among many: the heap path)
     counts = torch.randint(-1, records + 2, (layers,), generator=gen)
     counts = torch.where(torch.rand(layers, generator=gen) < 0.5, few, counts)
+    with_cand, with_resident, with_t0, with_protect = inputs
+    cand = (torch.rand(layers, records, generator=gen) < share) if with_cand else None
+    resident = torch.where(torch.rand(layers, records, generator=gen) < 0.6,
+                           torch.randint(0, 50, (layers, records), generator=gen), -1) if with_resident else None
     t0 = (torch.rand(records, generator=gen) < 0.2) if with_t0 else None
     protect = (torch.rand(layers, records, generator=gen) < 0.2) if with_protect else None
-    key = -prio if largest else prio
-    if owner_mode:  # a device pool's slots: each record in at most one slot of a layer, some free
-        owner = torch.stack([torch.randperm(max(records, slots), generator=gen)[:slots] for _ in range(layers)])
-        owner = torch.where((owner < records) & (torch.rand(layers, slots, generator=gen) < share + 0.1), owner, -1)
-        got = tier_step_ops().pick_pages(prio, counts, largest, None, owner, t0, protect)
-        cols = owner.clamp(min=0)
-        cand = owner >= 0
-        if t0 is not None:
-            cand &= ~t0[cols]
-        if protect is not None:
-            cand &= ~protect.gather(1, cols)
-        wl, idx = pick_lowest(cand, key.gather(1, cols), counts)
-        want = (wl, cols[wl, idx])
-    else:
-        cand = torch.rand(layers, records, generator=gen) < share
-        got = tier_step_ops().pick_pages(prio, counts, largest, cand, None, t0, protect)
-        if t0 is not None:
-            cand &= ~t0
-        if protect is not None:
-            cand &= ~protect
-        want = pick_lowest(cand, key, counts)
+    got = tier_step_ops().pick_pages(prio, counts, largest, cand, resident, t0, protect)
+    mask = torch.ones(layers, records, dtype=torch.bool) if cand is None else cand.clone()
+    if resident is not None:
+        mask &= resident >= 0
+    if t0 is not None:
+        mask &= ~t0
+    if protect is not None:
+        mask &= ~protect
+    want = pick_lowest(mask, -prio if largest else prio, counts)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @needs_op
-def test_pick_pages_ranks_ties_by_position_and_nan_as_inf():
+def test_pick_pages_ranks_ties_by_record_and_nan_as_inf():
     prio = torch.tensor([[1.0, float("nan"), 0.0, 1.0, -0.0, float("inf")]])
     ops = tier_step_ops()
     layers, recs = ops.pick_pages(prio, torch.tensor([6]), False, torch.ones(1, 6, dtype=torch.bool), None, None, None)
