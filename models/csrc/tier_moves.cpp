@@ -19,8 +19,9 @@
 // pool lacks the free slots, or [-2, 0, 0, 0] when a page has no host copy (it lives on disk: the
 // caller takes the torch path), each with nothing changed.
 //
-// Pools: [L, S, ...] page tensors (contiguous; host and device of one dtype) and their owner
-// tables [L, S] (the record a slot holds, -1 free); the page table's columns are [L, C].
+// Pools: [L, S, ...] page tensors (contiguous; host and device of one dtype), their owner tables
+// [L, S] (the record a slot holds, -1 free) and their owned slots per layer [L] (`*_used`: kept
+// up to date, as TierPool.alloc keeps its count); the page table's columns are [L, C].
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -75,24 +76,29 @@ struct FreeSlots {
   std::vector<int64_t> next;  // per layer: the slot to look from
   int64_t take(int64_t l) {
     int64_t& s = next[l];
-    while (owner[l * slots + s] >= 0) ++s;  // the caller checked that enough are free
+    while (s < slots && owner[l * slots + s] >= 0) ++s;  // the caller checked that enough are free
+    TORCH_CHECK(s < slots, "internal: layer ", l, " has fewer free slots than its used count says");
     return s++;
   }
 };
 
-// How many free slots each layer of an owner table has; whether `need` fits; else the slots
-// each layer needs in all (used + need), written to `total`.
-bool fits(const int64_t* owner, int64_t L, int64_t S, const std::vector<int64_t>& need, int64_t* total_max) {
+// Whether `need` more pages per layer fit in an owner table's free slots (`used`: its owned slots
+// per layer); else the slots each layer needs in all (used + need), the most of them in `total_max`.
+bool fits(const int64_t* used, int64_t L, int64_t S, const std::vector<int64_t>& need, int64_t* total_max) {
   bool ok = true;
   *total_max = 0;
   for (int64_t l = 0; l < L; ++l) {
     if (!need[l]) continue;
-    int64_t used = 0;
-    for (int64_t s = 0; s < S; ++s) used += owner[l * S + s] >= 0;
-    ok &= used + need[l] <= S;
-    *total_max = std::max(*total_max, used + need[l]);
+    ok &= used[l] + need[l] <= S;
+    *total_max = std::max(*total_max, used[l] + need[l]);
   }
   return ok;
+}
+
+int64_t* used_of(at::Tensor& used, int64_t L, const char* name) {
+  TORCH_CHECK(used.device().is_cpu() && used.dim() == 1 && used.size(0) == L && used.scalar_type() == at::kLong &&
+                  used.is_contiguous(), name, " must be a contiguous CPU long tensor [", L, "]");
+  return used.data_ptr<int64_t>();
 }
 
 at::Tensor result(int64_t a, int64_t b) {
@@ -106,8 +112,8 @@ at::Tensor result(int64_t a, int64_t b) {
 
 at::Tensor evict_pages(at::Tensor layers, at::Tensor recs, at::Tensor device_slot, at::Tensor host_slot,
                        at::Tensor disk_slot, at::Tensor t1, at::Tensor prefetched, at::Tensor staged,
-                       at::Tensor dev_k, at::Tensor dev_v, at::Tensor dev_owner, at::Tensor host_k, at::Tensor host_v,
-                       at::Tensor host_owner) {
+                       at::Tensor dev_k, at::Tensor dev_v, at::Tensor dev_owner, at::Tensor dev_used,
+                       at::Tensor host_k, at::Tensor host_v, at::Tensor host_owner, at::Tensor host_used) {
   const int64_t L = device_slot.size(0), C = device_slot.dim() == 2 ? device_slot.size(1) : 0;
   for (auto [t, name] : {std::pair{&device_slot, "device_slot"}, {&host_slot, "host_slot"}, {&disk_slot, "disk_slot"},
                          {&dev_owner, "device owner"}, {&host_owner, "host owner"}})
@@ -131,8 +137,9 @@ at::Tensor evict_pages(at::Tensor layers, at::Tensor recs, at::Tensor device_slo
     TORCH_CHECK(ds[at_] >= 0 && ds[at_] < dev.slots, "page (", lp[i], ", ", rp[i], ") is not resident");
     dirty[lp[i]] += (hs[at_] < 0) & (dk[at_] < 0);
   }
+  int64_t *dused = used_of(dev_used, L, "dev_used"), *hused = used_of(host_used, L, "host_used");
   int64_t host_total = 0;
-  if (!fits(hown, L, host.slots, dirty, &host_total)) return result(-1, host_total);
+  if (!fits(hused, L, host.slots, dirty, &host_total)) return result(-1, host_total);
   FreeSlots free{hown, host.slots, std::vector<int64_t>(L, 0)};
   int64_t wasted = 0, written = 0;
   for (int64_t i = 0; i < N; ++i) {
@@ -145,9 +152,11 @@ at::Tensor evict_pages(at::Tensor layers, at::Tensor recs, at::Tensor device_slo
       std::memcpy(host.at(host.v, l, h), dev.at(dev.v, l, d), dev.page_bytes);
       hown[l * host.slots + h] = rp[i];
       hs[at_] = h;
+      ++hused[l];
       ++written;
     }
     down[l * dev.slots + d] = -1;
+    --dused[l];
     ds[at_] = -1;
     t1p[at_] = false;
   }
@@ -156,8 +165,9 @@ at::Tensor evict_pages(at::Tensor layers, at::Tensor recs, at::Tensor device_slo
 
 at::Tensor admit_pages(at::Tensor layers, at::Tensor recs, c10::optional<at::Tensor> streamed, at::Tensor device_slot,
                        at::Tensor host_slot, at::Tensor warm_slot, at::Tensor dev_k, at::Tensor dev_v,
-                       at::Tensor dev_owner, at::Tensor host_k, at::Tensor host_v, at::Tensor host_owner,
-                       c10::optional<at::Tensor> warm_owner) {
+                       at::Tensor dev_owner, at::Tensor dev_used, at::Tensor host_k, at::Tensor host_v,
+                       at::Tensor host_owner, c10::optional<at::Tensor> warm_owner,
+                       c10::optional<at::Tensor> warm_used) {
   const int64_t L = device_slot.size(0), C = device_slot.dim() == 2 ? device_slot.size(1) : 0;
   for (auto [t, name] : {std::pair{&device_slot, "device_slot"}, {&host_slot, "host_slot"}, {&warm_slot, "warm_slot"},
                          {&dev_owner, "device owner"}, {&host_owner, "host owner"}})
@@ -176,13 +186,16 @@ at::Tensor admit_pages(at::Tensor layers, at::Tensor recs, c10::optional<at::Ten
                 "streamed must be a contiguous CPU bool tensor [", N, "]");
     sp = streamed->data_ptr<bool>();
   }
-  int64_t* wown = nullptr;
+  int64_t *wown = nullptr, *wused = nullptr;
   int64_t warm_slots = 0;
   if (warm_owner.has_value() && warm_owner->defined()) {
+    TORCH_CHECK(warm_used.has_value() && warm_used->defined(), "a warm owner table needs its warm_used counts");
     check_cols(*warm_owner, "warm owner", L, at::kLong);
     wown = warm_owner->data_ptr<int64_t>();
+    wused = used_of(*warm_used, L, "warm_used");
     warm_slots = warm_owner->size(1);
   }
+  int64_t* dused = used_of(dev_used, L, "dev_used");
   int64_t *ds = device_slot.data_ptr<int64_t>(), *hs = host_slot.data_ptr<int64_t>(),
           *ws = warm_slot.data_ptr<int64_t>(), *down = dev_owner.data_ptr<int64_t>();
   std::vector<int64_t> need(L, 0);
@@ -195,7 +208,7 @@ at::Tensor admit_pages(at::Tensor layers, at::Tensor recs, c10::optional<at::Ten
     ++need[lp[i]];
   }
   int64_t dev_total = 0;
-  if (!fits(down, L, dev.slots, need, &dev_total)) return result(-1, dev_total);
+  if (!fits(dused, L, dev.slots, need, &dev_total)) return result(-1, dev_total);
   FreeSlots free{down, dev.slots, std::vector<int64_t>(L, 0)};
   int64_t warm_released = 0, fresh = 0;
   for (int64_t i = 0; i < N; ++i) {
@@ -203,6 +216,7 @@ at::Tensor admit_pages(at::Tensor layers, at::Tensor recs, c10::optional<at::Ten
     if (ws[at_] >= 0) {
       wown[l * warm_slots + ws[at_]] = -1;
       ws[at_] = -1;
+      --wused[l];
       ++warm_released;
     }
     const int64_t d = free.take(l);
@@ -210,6 +224,7 @@ at::Tensor admit_pages(at::Tensor layers, at::Tensor recs, c10::optional<at::Ten
     std::memcpy(dev.at(dev.v, l, d), host.at(host.v, l, h), dev.page_bytes);
     down[l * dev.slots + d] = rp[i];
     ds[at_] = d;
+    ++dused[l];
     fresh += !(sp && sp[i]);
   }
   return result(warm_released, fresh);
@@ -218,10 +233,11 @@ at::Tensor admit_pages(at::Tensor layers, at::Tensor recs, c10::optional<at::Ten
 TORCH_LIBRARY_FRAGMENT(tieredkv_cpu, m) {
   m.def("evict_pages(Tensor layers, Tensor recs, Tensor(a!) device_slot, Tensor(b!) host_slot, Tensor disk_slot, "
         "Tensor(c!) t1, Tensor(d!) prefetched, Tensor(e!) staged, Tensor dev_k, Tensor dev_v, Tensor(f!) dev_owner, "
-        "Tensor(g!) host_k, Tensor(h!) host_v, Tensor(i!) host_owner) -> Tensor");
+        "Tensor(g!) dev_used, Tensor(h!) host_k, Tensor(i!) host_v, Tensor(j!) host_owner, Tensor(k!) host_used) "
+        "-> Tensor");
   m.def("admit_pages(Tensor layers, Tensor recs, Tensor? streamed, Tensor(a!) device_slot, Tensor host_slot, "
-        "Tensor(b!) warm_slot, Tensor(c!) dev_k, Tensor(d!) dev_v, Tensor(e!) dev_owner, Tensor host_k, "
-        "Tensor host_v, Tensor host_owner, Tensor(f!)? warm_owner) -> Tensor");
+        "Tensor(b!) warm_slot, Tensor(c!) dev_k, Tensor(d!) dev_v, Tensor(e!) dev_owner, Tensor(f!) dev_used, "
+        "Tensor host_k, Tensor host_v, Tensor host_owner, Tensor(g!)? warm_owner, Tensor(h!)? warm_used) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tieredkv_cpu, CPU, m) {

@@ -273,15 +273,16 @@ class PageMoves:
         """:meth:`evict` in one op (the host pool grown first when its dirty pages need it)."""
         t, dev, host = self.table, self.device, self.host
         layers, recs = layers.contiguous(), recs.contiguous()
+        dev_used, host_used = dev.used(), host.used()  # (copies: the op counts the moves in them)
         while True:
             wasted, written, _, _ = ops.evict_pages(layers, recs, t.device_slot, t.host_slot, t.disk_slot, t.t1,
-                                                    t.prefetched, t.staged, dev.k, dev.v, dev.owner, host.k, host.v,
-                                                    host.owner).tolist()
+                                                    t.prefetched, t.staged, dev.k, dev.v, dev.owner, dev_used,
+                                                    host.k, host.v, host.owner, host_used).tolist()
             if wasted >= 0:
                 break
             host.reserve(written)  # the slots its layers need in all: grown as alloc grows it, then again
-        dev.changed()
-        host.changed()
+        dev.set_used(dev_used)
+        host.set_used(host_used)
         m = self.metrics
         m.prefetch_wasted += wasted
         if written:
@@ -299,19 +300,20 @@ class PageMoves:
         if warm is not None and not isinstance(warm, WarmPool):  # a ladder's slots span its rungs: released here
             self.metrics.warm_promotions += self._drop_warm(layers, recs)
             warm = None
+        dev_used, warm_used = dev.used(), None if warm is None else warm.used()  # (copies: the op counts in them)
         while True:
             released, fresh, _, _ = ops.admit_pages(layers, recs, streamed, t.device_slot, t.host_slot, t.warm_slot,
-                                                    dev.k, dev.v, dev.owner, host.k, host.v, host.owner,
-                                                    None if warm is None else warm.owner).tolist()
+                                                    dev.k, dev.v, dev.owner, dev_used, host.k, host.v, host.owner,
+                                                    None if warm is None else warm.owner, warm_used).tolist()
             if released == -2:
                 return False
             if released >= 0:
                 break
             assert dev.max_capacity is None or fresh <= dev.max_capacity, "admit() called without room"
             dev.reserve(fresh)
-        dev.changed()
+        dev.set_used(dev_used)
         if warm is not None:
-            warm.changed()
+            warm.set_used(warm_used)
         self.metrics.warm_promotions += released
         self.transfers.count_to_device(len(recs), len(recs) * dev.page_bytes)
         self._count_h2d(fresh, 0)

@@ -164,9 +164,10 @@ class TierPool:
         self._owner[layers, slots] = -1
         self._used = None  # (a pair may repeat or already be free: counted again when asked)
 
-    def changed(self) -> None:
-        """The owner table was changed in place (by an op of the CPU extension): counted again when asked."""
-        self._used = None
+    def set_used(self, used: torch.Tensor) -> None:
+        """The owned slots per layer [L], counted by whoever changed the owner table in place (an op
+        of the CPU extension)."""
+        self._used = used
 
     def read(self, layers: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _take(self.k, layers, slots), _take(self.v, layers, slots)

@@ -198,7 +198,8 @@ def test_move_ops_refuse_bad_pages():
 
     def evict(layers, recs):
         return ops.evict_pages(torch.tensor(layers), torch.tensor(recs), t.device_slot, t.host_slot, t.disk_slot,
-                               t.t1, t.prefetched, t.staged, dev.k, dev.v, dev.owner, host.k, host.v, host.owner)
+                               t.t1, t.prefetched, t.staged, dev.k, dev.v, dev.owner, dev.used(), host.k, host.v,
+                               host.owner, host.used())
 
     with pytest.raises(RuntimeError, match="outside the"):
         evict([0], [t.capacity])
@@ -206,5 +207,5 @@ def test_move_ops_refuse_bad_pages():
         evict([0], [t.capacity - 1])
     with pytest.raises(RuntimeError, match="is resident already"):
         ops.admit_pages(torch.tensor([0]), torch.tensor([0]), None, t.device_slot, t.host_slot, t.warm_slot,
-                        dev.k, dev.v, dev.owner, host.k, host.v, host.owner, None)
+                        dev.k, dev.v, dev.owner, dev.used(), host.k, host.v, host.owner, None, None)
     assert torch.equal(t.device_slot, before)
