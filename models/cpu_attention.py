@@ -14,10 +14,12 @@ when it is switched off (``TIEREDKV_CPU_ATTENTION=torch`` or :func:`set_cpu_atte
 cannot be built here (the reason is warned once and kept in :func:`cpu_attention_status`).
 The two paths agree to float32 rounding (tests/models/test_cpu_attention.py), not bit for bit.
 
-The same extension carries the tier manager's step accounting (``models/csrc/tier_step.cpp``:
-:func:`tier_step_ops`, switched by ``TIEREDKV_CPU_MANAGER`` / :func:`set_cpu_manager`): a step's
-record folded into its access record and the page table's statistics in one pass each, equal to
-the manager's torch code bit for bit (tests/runtime/tiered/test_tier_step_op.py).
+The same extension carries the tier manager's step accounting and page moves
+(``models/csrc/tier_step.cpp``, ``models/csrc/tier_moves.cpp``: :func:`tier_step_ops`, switched by
+``TIEREDKV_CPU_MANAGER`` / :func:`set_cpu_manager`): a step's record folded into its access record
+and the page table's statistics in one pass each, the victims and wanted pages ranked, evictions
+and admissions made — equal to the manager's torch code (tests/runtime/tiered/test_tier_step_op.py,
+tests/runtime/tiered/test_tier_moves_op.py).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from tieredkv.errors import ConfigError
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-#: one extension: the attention ops and the tier manager's step accounting (tier_step.cpp)
+#: one extension: the attention ops and the tier manager's step accounting and page moves
 SOURCES = (CSRC / "paged_attention.cpp", CSRC / "tier_step.cpp", CSRC / "tier_moves.cpp")
 BACKENDS = ("paged", "torch")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -98,8 +100,9 @@ def decode_attention_op():
 
 
 def set_cpu_manager(backend: str) -> None:
-    """How the tier manager folds a step's record on the CPU: ``"native"`` (the default:
-    ``models/csrc/tier_step.cpp``, one pass) or ``"torch"`` (its torch ops, the reference)."""
+    """How the tier manager does its per-step work on the CPU (the step's folds, the ranking of
+    victims and wanted pages, evictions and admissions): ``"native"`` (the default: the ops of
+    ``models/csrc/tier_step.cpp`` and ``tier_moves.cpp``) or ``"torch"`` (its torch code, the reference)."""
     if backend not in MANAGER_BACKENDS:
         raise ConfigError(f"cpu manager backend (set_cpu_manager or TIEREDKV_CPU_MANAGER) must be one of "
                           f"{MANAGER_BACKENDS}, got {backend!r}")
@@ -110,8 +113,9 @@ set_cpu_manager(os.environ.get("TIEREDKV_CPU_MANAGER", "native"))
 
 
 def tier_step_ops():
-    """The tier manager's step accounting ops (``fold_record``, ``fold_end``: ``torch.ops.tieredkv_cpu``),
-    or ``None`` when switched off or not built — then the manager runs its torch code."""
+    """The tier manager's ops (``fold_record``, ``fold_end``, ``pick_pages``, ``evict_pages``,
+    ``admit_pages``: ``torch.ops.tieredkv_cpu``), or ``None`` when switched off or not built — then
+    the manager runs its torch code."""
     if _STATE["manager"] != "native" or not _native():
         return None
     return torch.ops.tieredkv_cpu
