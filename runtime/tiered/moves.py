@@ -4,7 +4,11 @@ the bounded host tier's spill to disk (T4) and disk read-ahead.
 
 A mixin of :class:`~tieredkv.runtime.tiered.manager.TierManager` (its state: ``table``,
 ``device`` / ``host`` / ``disk`` / ``warm`` pools, ``metrics``, ``policy``, ``transfers``); every
-move is a handful of vectorized ops over (layer, record) pairs, never a loop over pages.
+move is a handful of vectorized ops over (layer, record) pairs, never a Python loop over pages. On
+the CPU the ranking of victims and wanted pages, the eviction and the admission are ops of the
+extension (``models/csrc/tier_step.cpp``: ``pick_pages``; ``models/csrc/tier_moves.cpp``), one pass
+each; the torch code here is their reference (tests/runtime/tiered/test_tier_moves_op.py) and the
+path where they do not apply.
 """
 
 from __future__ import annotations
