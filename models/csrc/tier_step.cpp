@@ -244,8 +244,6 @@ void end_row(int64_t C, const bool* __restrict__ nd, const bool* __restrict__ mi
   counts[1] = n_missing;
 }
 
-
-// One layer's picks of pick_pages into `out` (records, by rank).
 // A candidate as one integer: its key above, its record below — the rank order (the lower key
 // first, then the lower record) is the integers' order.
 using Candidate = uint64_t;
@@ -262,6 +260,7 @@ uint32_t order_key(float f) {
   return (b & 0x80000000u) ? ~b : b | 0x80000000u;
 }
 
+// One layer's picks of pick_pages into `out` (records, by rank).
 void pick_layer(int64_t l, int64_t C, int64_t count, bool largest, const float* prio, const bool* cand,
                 const int64_t* resident, const bool* t0, const bool* protect, std::vector<int64_t>& idx,
                 std::vector<Candidate>& pool, std::vector<int64_t>& out) {
