@@ -7,15 +7,15 @@
 // in or staged and no step used counts as wasted prefetch (its flags cleared); a dirty page (no
 // host and no disk copy) is copied into the next free slot of its layer's host pool first (the
 // pairs in order; free slots in ascending order, as TierPool.alloc takes them); then its device
-// slot is freed and its T1 label dropped. Returns [4]: wasted prefetches, pages written back, and
-// 0, 0 — or, when a layer's host pool lacks the free slots its dirty pages need, [-1, the host
+// slot is freed and its T1 label dropped. Returns [4]: wasted prefetches, pages written back, pages
+// evicted (a page listed twice leaves once), 0 — or, when a layer's host pool lacks the free slots its dirty pages need, [-1, the host
 // slots per layer needed in all, 0, 0] with nothing changed (the caller grows the pool and calls
 // again).
 //
 // admit_pages: non-resident pages (layers, recs) become resident, copied exact from their host
 // copies into the next free device slots of their layers (same order), a warm copy released
 // first. Returns [4]: warm copies released, pages copied that were not streamed this step
-// (`streamed`), 0, 0 — or [-1, the device slots per layer needed in all, 0, 0] when a layer's device
+// (`streamed`), pages admitted (a page listed twice comes in once), 0 — or [-1, the device slots per layer needed in all, 0, 0] when a layer's device
 // pool lacks the free slots, or [-2, 0, 0, 0] when a page has no host copy (it lives on disk: the
 // caller takes the torch path), each with nothing changed.
 //
@@ -101,10 +101,12 @@ int64_t* used_of(at::Tensor& used, int64_t L, const char* name) {
   return used.data_ptr<int64_t>();
 }
 
-at::Tensor result(int64_t a, int64_t b) {
+at::Tensor result(int64_t a, int64_t b, int64_t c = 0) {
   auto out = at::zeros({4}, at::kLong);
-  out[0] = a;
-  out[1] = b;
+  int64_t* o = out.data_ptr<int64_t>();
+  o[0] = a;
+  o[1] = b;
+  o[2] = c;
   return out;
 }
 
@@ -141,9 +143,10 @@ at::Tensor evict_pages(at::Tensor layers, at::Tensor recs, at::Tensor device_slo
   int64_t host_total = 0;
   if (!fits(hused, L, host.slots, dirty, &host_total)) return result(-1, host_total);
   FreeSlots free{hown, host.slots, std::vector<int64_t>(L, 0)};
-  int64_t wasted = 0, written = 0;
+  int64_t wasted = 0, written = 0, moved = 0;
   for (int64_t i = 0; i < N; ++i) {
     const int64_t l = lp[i], at_ = l * C + rp[i], d = ds[at_];
+    if (d < 0) continue;  // (a page listed twice leaves once)
     wasted += pf[at_] | st[at_];
     pf[at_] = st[at_] = false;
     if ((hs[at_] < 0) & (dk[at_] < 0)) {
@@ -157,10 +160,11 @@ at::Tensor evict_pages(at::Tensor layers, at::Tensor recs, at::Tensor device_slo
     }
     down[l * dev.slots + d] = -1;
     --dused[l];
+    ++moved;
     ds[at_] = -1;
     t1p[at_] = false;
   }
-  return result(wasted, written);
+  return result(wasted, written, moved);
 }
 
 at::Tensor admit_pages(at::Tensor layers, at::Tensor recs, c10::optional<at::Tensor> streamed, at::Tensor device_slot,
@@ -210,9 +214,10 @@ at::Tensor admit_pages(at::Tensor layers, at::Tensor recs, c10::optional<at::Ten
   int64_t dev_total = 0;
   if (!fits(dused, L, dev.slots, need, &dev_total)) return result(-1, dev_total);
   FreeSlots free{down, dev.slots, std::vector<int64_t>(L, 0)};
-  int64_t warm_released = 0, fresh = 0;
+  int64_t warm_released = 0, fresh = 0, moved = 0;
   for (int64_t i = 0; i < N; ++i) {
     const int64_t l = lp[i], at_ = l * C + rp[i], h = hs[at_];
+    if (ds[at_] >= 0) continue;  // (a page listed twice comes in once)
     if (ws[at_] >= 0) {
       wown[l * warm_slots + ws[at_]] = -1;
       ws[at_] = -1;
@@ -226,8 +231,9 @@ at::Tensor admit_pages(at::Tensor layers, at::Tensor recs, c10::optional<at::Ten
     ds[at_] = d;
     ++dused[l];
     fresh += !(sp && sp[i]);
+    ++moved;
   }
-  return result(warm_released, fresh);
+  return result(warm_released, fresh, moved);
 }
 
 TORCH_LIBRARY_FRAGMENT(tieredkv_cpu, m) {

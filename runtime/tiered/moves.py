@@ -279,7 +279,7 @@ class PageMoves:
         layers, recs = layers.contiguous(), recs.contiguous()
         dev_used, host_used = dev.used(), host.used()  # (copies: the op counts the moves in them)
         while True:
-            wasted, written, _, _ = ops.evict_pages(layers, recs, t.device_slot, t.host_slot, t.disk_slot, t.t1,
+            wasted, written, moved, _ = ops.evict_pages(layers, recs, t.device_slot, t.host_slot, t.disk_slot, t.t1,
                                                     t.prefetched, t.staged, dev.k, dev.v, dev.owner, dev_used,
                                                     host.k, host.v, host.owner, host_used).tolist()
             if wasted >= 0:
@@ -293,7 +293,7 @@ class PageMoves:
             self.transfers.to_host_counted(written, written * dev.page_bytes)
             m.writebacks += written
             m.bytes_d2h += written * self.page_bytes
-        m.evicted_pages += len(recs)
+        m.evicted_pages += moved
 
     def _admit_native(self, ops, layers: torch.Tensor, recs: torch.Tensor, streamed: torch.Tensor | None) -> bool:
         """:meth:`admit` in one op when every page has a host copy (the device pool grown first
@@ -306,7 +306,7 @@ class PageMoves:
             warm = None
         dev_used, warm_used = dev.used(), None if warm is None else warm.used()  # (copies: the op counts in them)
         while True:
-            released, fresh, _, _ = ops.admit_pages(layers, recs, streamed, t.device_slot, t.host_slot, t.warm_slot,
+            released, fresh, moved, _ = ops.admit_pages(layers, recs, streamed, t.device_slot, t.host_slot, t.warm_slot,
                                                     dev.k, dev.v, dev.owner, dev_used, host.k, host.v, host.owner,
                                                     None if warm is None else warm.owner, warm_used).tolist()
             if released == -2:
@@ -319,9 +319,9 @@ class PageMoves:
         if warm is not None:
             warm.set_used(warm_used)
         self.metrics.warm_promotions += released
-        self.transfers.count_to_device(len(recs), len(recs) * dev.page_bytes)
+        self.transfers.count_to_device(moved, moved * dev.page_bytes)
         self._count_h2d(fresh, 0)
-        self.metrics.fetched_pages += len(recs)
+        self.metrics.fetched_pages += moved
         return True
 
     def _unprefetch(self, layers, recs) -> None:

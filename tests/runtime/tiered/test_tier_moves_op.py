@@ -209,3 +209,23 @@ def test_move_ops_refuse_bad_pages():
         ops.admit_pages(torch.tensor([0]), torch.tensor([0]), None, t.device_slot, t.host_slot, t.warm_slot,
                         dev.k, dev.v, dev.owner, dev.used(), host.k, host.v, host.owner, None, None)
     assert torch.equal(t.device_slot, before)
+
+
+@needs_op
+def test_move_ops_move_a_page_listed_twice_once():
+    """A pair listed twice is moved once (no second slot taken, nothing written outside the pools)."""
+    mgr = _manager("off", None, False, 1)
+    mgr.add_sequence(0)
+    mgr.begin_step((0,), 16)
+    mgr.end_step(decode=False)
+    t, dev, host = mgr.table, mgr.device, mgr.host
+    rec = int(mgr.records_of(0)[1])
+    mgr.evict(torch.tensor([0, 0]), torch.tensor([rec, rec]))
+    assert int(t.device_slot[0, rec]) < 0 and int(t.host_slot[0, rec]) >= 0
+    assert int((host.owner[0] == rec).sum()) == 1 and int((dev.owner[0] == rec).sum()) == 0
+    assert mgr.metrics.evicted_pages == 1 and mgr.metrics.writebacks == 1
+    mgr.admit(torch.tensor([0, 0]), torch.tensor([rec, rec]))
+    assert int(t.device_slot[0, rec]) >= 0 and int((dev.owner[0] == rec).sum()) == 1
+    assert mgr.metrics.fetched_pages == 1 and mgr.transfers.stats.h2d_pages == 1
+    mgr.check_invariants()
+
