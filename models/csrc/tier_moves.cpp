@@ -27,6 +27,8 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -52,53 +54,87 @@ std::pair<const int64_t*, const int64_t*> pairs(const at::Tensor& layers, const 
   return {l, r};
 }
 
-// A pool's pages: their bytes and the bytes of one page.
-struct Pages {
-  char *k, *v;
-  int64_t slots, page_bytes;
-  char* at(char* base, int64_t l, int64_t s) const { return base + (l * slots + s) * page_bytes; }
-};
-
-Pages pages_of(const at::Tensor& k, const at::Tensor& v, const at::Tensor& owner, const char* name) {
-  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu() && k.is_contiguous() && v.is_contiguous() &&
-                  k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type() && k.dim() >= 2 &&
-                  k.size(0) == owner.size(0) && k.size(1) == owner.size(1),
-              name, " pool: k and v must be contiguous CPU tensors [L, S, ...] matching its owner table");
-  const int64_t per_page = k.size(0) * k.size(1) ? k.numel() / (k.size(0) * k.size(1)) : 0;
-  return {static_cast<char*>(k.data_ptr()), static_cast<char*>(v.data_ptr()), k.size(1),
-          per_page * static_cast<int64_t>(k.element_size())};
-}
-
-// Per layer, the free slots of an owner table in ascending order, taken one by one.
-struct FreeSlots {
-  const int64_t* owner;
-  int64_t slots;
-  std::vector<int64_t> next;  // per layer: the slot to look from
-  int64_t take(int64_t l) {
-    int64_t& s = next[l];
-    while (s < slots && owner[l * slots + s] >= 0) ++s;  // the caller checked that enough are free
-    TORCH_CHECK(s < slots, "internal: layer ", l, " has fewer free slots than its used count says");
-    return s++;
-  }
-};
-
-// Whether `need` more pages per layer fit in an owner table's free slots (`used`: its owned slots
-// per layer); else the slots each layer needs in all (used + need), the most of them in `total_max`.
-bool fits(const int64_t* used, int64_t L, int64_t S, const std::vector<int64_t>& need, int64_t* total_max) {
-  bool ok = true;
-  *total_max = 0;
-  for (int64_t l = 0; l < L; ++l) {
-    if (!need[l]) continue;
-    ok &= used[l] + need[l] <= S;
-    *total_max = std::max(*total_max, used[l] + need[l]);
-  }
-  return ok;
-}
-
 int64_t* used_of(at::Tensor& used, int64_t L, const char* name) {
   TORCH_CHECK(used.device().is_cpu() && used.dim() == 1 && used.size(0) == L && used.scalar_type() == at::kLong &&
                   used.is_contiguous(), name, " must be a contiguous CPU long tensor [", L, "]");
   return used.data_ptr<int64_t>();
+}
+
+// One pool of one tier: its owner table [L, S] and owned slots per layer [L] — kept as slots are
+// taken and given back — and, for the device and host pools, its pages' bytes.
+struct Pool {
+  int64_t *owner, *used, slots;
+  char *k = nullptr, *v = nullptr;
+  int64_t page_bytes = 0;
+  std::vector<int64_t> next;  // per layer: the free slot to look from
+
+  char* at(char* base, int64_t l, int64_t s) const { return base + (l * slots + s) * page_bytes; }
+
+  // Whether `need` more pages per layer fit; else the slots each layer needs in all (used + need),
+  // the most of them in `total_max`.
+  bool fits(const std::vector<int64_t>& need, int64_t* total_max) const {
+    bool ok = true;
+    *total_max = 0;
+    for (size_t l = 0; l < need.size(); ++l) {
+      if (!need[l]) continue;
+      ok &= used[l] + need[l] <= slots;
+      *total_max = std::max(*total_max, used[l] + need[l]);
+    }
+    return ok;
+  }
+
+  // The next free slot of layer l (ascending, as TierPool.alloc takes them), now holding `rec`.
+  int64_t take(int64_t l, int64_t rec) {
+    int64_t& s = next[l];
+    while (s < slots && owner[l * slots + s] >= 0) ++s;  // the caller checked that enough are free
+    TORCH_CHECK(s < slots, "internal: layer ", l, " has fewer free slots than its used count says");
+    owner[l * slots + s] = rec;
+    ++used[l];
+    return s++;
+  }
+
+  void give_back(int64_t l, int64_t s) {
+    owner[l * slots + s] = -1;
+    --used[l];
+  }
+};
+
+// A pool's owner table and used counts, checked (`name`: the pool's, in errors; `used` null: a pool
+// the move only reads, whose slots it neither takes nor gives back).
+Pool slots_of(at::Tensor& owner, at::Tensor* used, int64_t L, const char* name) {
+  check_cols(owner, (std::string(name) + " owner").c_str(), L, at::kLong);
+  return {owner.data_ptr<int64_t>(), used ? used_of(*used, L, (std::string(name) + "_used").c_str()) : nullptr,
+          owner.size(1), nullptr, nullptr, 0, std::vector<int64_t>(L, 0)};
+}
+
+// The device and host pools of a move: pages of one shape and dtype, in contiguous CPU tensors
+// [L, S, ...] matching their owner tables (`host_used` null: the move only reads the host pool).
+std::pair<Pool, Pool> device_and_host(at::Tensor& dev_k, at::Tensor& dev_v, at::Tensor& dev_owner,
+                                      at::Tensor& dev_used, at::Tensor& host_k, at::Tensor& host_v,
+                                      at::Tensor& host_owner, at::Tensor* host_used, int64_t L) {
+  auto pages = [L](at::Tensor& k, at::Tensor& v, at::Tensor& owner, at::Tensor* used, const char* name) {
+    Pool p = slots_of(owner, used, L, name);
+    TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu() && k.is_contiguous() && v.is_contiguous() &&
+                    k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type() && k.dim() >= 2 &&
+                    k.size(0) == owner.size(0) && k.size(1) == owner.size(1),
+                name, " pool: k and v must be contiguous CPU tensors [L, S, ...] matching its owner table");
+    const int64_t per_page = k.size(0) * k.size(1) ? k.numel() / (k.size(0) * k.size(1)) : 0;
+    p.k = static_cast<char*>(k.data_ptr());
+    p.v = static_cast<char*>(v.data_ptr());
+    p.page_bytes = per_page * static_cast<int64_t>(k.element_size());
+    return p;
+  };
+  Pool dev = pages(dev_k, dev_v, dev_owner, &dev_used, "device"), host = pages(host_k, host_v, host_owner, host_used,
+                                                                               "host");
+  TORCH_CHECK(dev_k.scalar_type() == host_k.scalar_type() && dev.page_bytes == host.page_bytes,
+              "the device and host pools must hold pages of one shape and dtype");
+  return {std::move(dev), std::move(host)};
+}
+
+// One page's K and V from slot `fs` of a layer of `from` into slot `ts` of that layer of `to`.
+void copy_page(const Pool& to, int64_t l, int64_t ts, const Pool& from, int64_t fs) {
+  std::memcpy(to.at(to.k, l, ts), from.at(from.k, l, fs), to.page_bytes);
+  std::memcpy(to.at(to.v, l, ts), from.at(from.v, l, fs), to.page_bytes);
 }
 
 at::Tensor result(int64_t a, int64_t b, int64_t c = 0) {
@@ -117,21 +153,17 @@ at::Tensor evict_pages(at::Tensor layers, at::Tensor recs, at::Tensor device_slo
                        at::Tensor dev_k, at::Tensor dev_v, at::Tensor dev_owner, at::Tensor dev_used,
                        at::Tensor host_k, at::Tensor host_v, at::Tensor host_owner, at::Tensor host_used) {
   const int64_t L = device_slot.size(0), C = device_slot.dim() == 2 ? device_slot.size(1) : 0;
-  for (auto [t, name] : {std::pair{&device_slot, "device_slot"}, {&host_slot, "host_slot"}, {&disk_slot, "disk_slot"},
-                         {&dev_owner, "device owner"}, {&host_owner, "host owner"}})
+  for (auto [t, name] : {std::pair{&device_slot, "device_slot"}, {&host_slot, "host_slot"}, {&disk_slot, "disk_slot"}})
     check_cols(*t, name, L, at::kLong);
   for (auto [t, name] : {std::pair{&t1, "t1"}, {&prefetched, "prefetched"}, {&staged, "staged"}})
     check_cols(*t, name, L, at::kBool);
   for (auto* t : {&host_slot, &disk_slot, &t1, &prefetched, &staged})
     TORCH_CHECK(t->size(1) == C, "the page table's columns must all be [", L, ", ", C, "]");
-  const auto dev = pages_of(dev_k, dev_v, dev_owner, "device"), host = pages_of(host_k, host_v, host_owner, "host");
-  TORCH_CHECK(dev_k.scalar_type() == host_k.scalar_type() && dev.page_bytes == host.page_bytes,
-              "the device and host pools must hold pages of one shape and dtype");
+  auto [dev, host] = device_and_host(dev_k, dev_v, dev_owner, dev_used, host_k, host_v, host_owner, &host_used, L);
   auto [lp, rp] = pairs(layers, recs, L, C);
   const int64_t N = layers.size(0);
   int64_t *ds = device_slot.data_ptr<int64_t>(), *hs = host_slot.data_ptr<int64_t>(),
-          *dk = disk_slot.data_ptr<int64_t>(), *down = dev_owner.data_ptr<int64_t>(),
-          *hown = host_owner.data_ptr<int64_t>();
+          *dk = disk_slot.data_ptr<int64_t>();
   bool *t1p = t1.data_ptr<bool>(), *pf = prefetched.data_ptr<bool>(), *st = staged.data_ptr<bool>();
   std::vector<int64_t> dirty(L, 0);
   for (int64_t i = 0; i < N; ++i) {
@@ -139,10 +171,8 @@ at::Tensor evict_pages(at::Tensor layers, at::Tensor recs, at::Tensor device_slo
     TORCH_CHECK(ds[at_] >= 0 && ds[at_] < dev.slots, "page (", lp[i], ", ", rp[i], ") is not resident");
     dirty[lp[i]] += (hs[at_] < 0) & (dk[at_] < 0);
   }
-  int64_t *dused = used_of(dev_used, L, "dev_used"), *hused = used_of(host_used, L, "host_used");
   int64_t host_total = 0;
-  if (!fits(hused, L, host.slots, dirty, &host_total)) return result(-1, host_total);
-  FreeSlots free{hown, host.slots, std::vector<int64_t>(L, 0)};
+  if (!host.fits(dirty, &host_total)) return result(-1, host_total);
   int64_t wasted = 0, written = 0, moved = 0;
   for (int64_t i = 0; i < N; ++i) {
     const int64_t l = lp[i], at_ = l * C + rp[i], d = ds[at_];
@@ -150,16 +180,12 @@ at::Tensor evict_pages(at::Tensor layers, at::Tensor recs, at::Tensor device_slo
     wasted += pf[at_] | st[at_];
     pf[at_] = st[at_] = false;
     if ((hs[at_] < 0) & (dk[at_] < 0)) {
-      const int64_t h = free.take(l);
-      std::memcpy(host.at(host.k, l, h), dev.at(dev.k, l, d), dev.page_bytes);
-      std::memcpy(host.at(host.v, l, h), dev.at(dev.v, l, d), dev.page_bytes);
-      hown[l * host.slots + h] = rp[i];
+      const int64_t h = host.take(l, rp[i]);
+      copy_page(host, l, h, dev, d);
       hs[at_] = h;
-      ++hused[l];
       ++written;
     }
-    down[l * dev.slots + d] = -1;
-    --dused[l];
+    dev.give_back(l, d);
     ++moved;
     ds[at_] = -1;
     t1p[at_] = false;
@@ -173,14 +199,11 @@ at::Tensor admit_pages(at::Tensor layers, at::Tensor recs, c10::optional<at::Ten
                        at::Tensor host_owner, c10::optional<at::Tensor> warm_owner,
                        c10::optional<at::Tensor> warm_used) {
   const int64_t L = device_slot.size(0), C = device_slot.dim() == 2 ? device_slot.size(1) : 0;
-  for (auto [t, name] : {std::pair{&device_slot, "device_slot"}, {&host_slot, "host_slot"}, {&warm_slot, "warm_slot"},
-                         {&dev_owner, "device owner"}, {&host_owner, "host owner"}})
+  for (auto [t, name] : {std::pair{&device_slot, "device_slot"}, {&host_slot, "host_slot"}, {&warm_slot, "warm_slot"}})
     check_cols(*t, name, L, at::kLong);
   TORCH_CHECK(host_slot.size(1) == C && warm_slot.size(1) == C, "the page table's columns must all be [", L, ", ",
               C, "]");
-  const auto dev = pages_of(dev_k, dev_v, dev_owner, "device"), host = pages_of(host_k, host_v, host_owner, "host");
-  TORCH_CHECK(dev_k.scalar_type() == host_k.scalar_type() && dev.page_bytes == host.page_bytes,
-              "the device and host pools must hold pages of one shape and dtype");
+  auto [dev, host] = device_and_host(dev_k, dev_v, dev_owner, dev_used, host_k, host_v, host_owner, nullptr, L);
   auto [lp, rp] = pairs(layers, recs, L, C);
   const int64_t N = layers.size(0);
   const bool* sp = nullptr;
@@ -190,46 +213,36 @@ at::Tensor admit_pages(at::Tensor layers, at::Tensor recs, c10::optional<at::Ten
                 "streamed must be a contiguous CPU bool tensor [", N, "]");
     sp = streamed->data_ptr<bool>();
   }
-  int64_t *wown = nullptr, *wused = nullptr;
-  int64_t warm_slots = 0;
+  std::optional<Pool> warm;
   if (warm_owner.has_value() && warm_owner->defined()) {
     TORCH_CHECK(warm_used.has_value() && warm_used->defined(), "a warm owner table needs its warm_used counts");
-    check_cols(*warm_owner, "warm owner", L, at::kLong);
-    wown = warm_owner->data_ptr<int64_t>();
-    wused = used_of(*warm_used, L, "warm_used");
-    warm_slots = warm_owner->size(1);
+    warm = slots_of(*warm_owner, &*warm_used, L, "warm");
   }
-  int64_t* dused = used_of(dev_used, L, "dev_used");
   int64_t *ds = device_slot.data_ptr<int64_t>(), *hs = host_slot.data_ptr<int64_t>(),
-          *ws = warm_slot.data_ptr<int64_t>(), *down = dev_owner.data_ptr<int64_t>();
+          *ws = warm_slot.data_ptr<int64_t>();
   std::vector<int64_t> need(L, 0);
   for (int64_t i = 0; i < N; ++i) {
     const int64_t at_ = lp[i] * C + rp[i];
     TORCH_CHECK(ds[at_] < 0, "page (", lp[i], ", ", rp[i], ") is resident already");
-    TORCH_CHECK(ws[at_] < 0 || (wown && ws[at_] < warm_slots), "page (", lp[i], ", ", rp[i],
+    TORCH_CHECK(ws[at_] < 0 || (warm && ws[at_] < warm->slots), "page (", lp[i], ", ", rp[i],
                 ") has a warm copy but no warm pool was given");
     if (hs[at_] < 0) return result(-2, 0);  // on disk: the torch path reads it
     ++need[lp[i]];
   }
   int64_t dev_total = 0;
-  if (!fits(dused, L, dev.slots, need, &dev_total)) return result(-1, dev_total);
-  FreeSlots free{down, dev.slots, std::vector<int64_t>(L, 0)};
+  if (!dev.fits(need, &dev_total)) return result(-1, dev_total);
   int64_t warm_released = 0, fresh = 0, moved = 0;
   for (int64_t i = 0; i < N; ++i) {
-    const int64_t l = lp[i], at_ = l * C + rp[i], h = hs[at_];
+    const int64_t l = lp[i], at_ = l * C + rp[i];
     if (ds[at_] >= 0) continue;  // (a page listed twice comes in once)
     if (ws[at_] >= 0) {
-      wown[l * warm_slots + ws[at_]] = -1;
+      warm->give_back(l, ws[at_]);
       ws[at_] = -1;
-      --wused[l];
       ++warm_released;
     }
-    const int64_t d = free.take(l);
-    std::memcpy(dev.at(dev.k, l, d), host.at(host.k, l, h), dev.page_bytes);
-    std::memcpy(dev.at(dev.v, l, d), host.at(host.v, l, h), dev.page_bytes);
-    down[l * dev.slots + d] = rp[i];
+    const int64_t d = dev.take(l, rp[i]);
+    copy_page(dev, l, d, host, hs[at_]);
     ds[at_] = d;
-    ++dused[l];
     fresh += !(sp && sp[i]);
     ++moved;
   }
