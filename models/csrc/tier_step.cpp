@@ -121,10 +121,10 @@ inline void span_flags(int64_t n, uint8_t dec, const uint8_t* __restrict__ sel, 
 
 // Columns [m0, m0 + n) of one row whose records run consecutively from r0, specialized on the
 // optional inputs. Branch-free (the flags are random per page: a mispredicted branch per flag costs
-// more than the work), through restrict locals (a bool store may alias anything: the compiler would
-// reload every pointer after each one) and, the records being consecutive, with no two columns on
-// one record: the loop vectorizes. Adds the span's masked pages to cnt[0], warm reads to cnt[1],
-// streamed pages to cnt[2], streamed pages read from disk to cnt[3].
+// more than the work); the records being consecutive, no two columns touch one record, so the table
+// columns are walked like the row's and the loops (span_flags, span_stats: restrict parameters, a
+// bool store may alias anything otherwise) vectorize. Adds the span's masked pages to cnt[0], warm
+// reads to cnt[1], streamed pages to cnt[2], streamed pages read from disk to cnt[3].
 template <bool kFull, bool kWarm, bool kStaged, bool kExact>
 void fold_span(const RecordRow& x, int64_t m0, int64_t n, int64_t r0, bool decode, int64_t* cnt) {
   using u8 = uint8_t;  // the flags as bytes (0 / 1): GCC vectorizes byte arithmetic, not bool
@@ -150,9 +150,9 @@ void fold_span(const RecordRow& x, int64_t m0, int64_t n, int64_t r0, bool decod
   u8 none[kChunk] = {};  // no exact reads
   for (int64_t c = 0; c < n; c += kChunk) {
     const int64_t k = std::min(kChunk, n - c);
-    for (int64_t j = 0; j < k; ++j) {
-      full_of[j] = dslot[c + j] >= 0;
-      warm_of[j] = (dslot[c + j] < 0) & (wslot[c + j] >= 0);
+    for (int64_t j = 0; j < k; ++j) {  // (the residency from the table where the plan did not give it)
+      if constexpr (!kFull) full_of[j] = dslot[c + j] >= 0;
+      if constexpr (!kWarm) warm_of[j] = (dslot[c + j] < 0) & (wslot[c + j] >= 0);
       off_host[j] = hslot[c + j] < 0;
     }
     const u8* f = kFull ? full + c : full_of;  // the plan's residency where it gave it, else the table's
