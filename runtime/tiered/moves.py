@@ -383,28 +383,32 @@ class PageMoves:
     def _lowest(self, cand: torch.Tensor, prio: torch.Tensor, counts: torch.Tensor, *, largest: bool = False):
         """The ``counts[l]`` lowest-priority candidates of each layer (``largest``: the highest) ->
         (layers, records), layer by layer, within a layer by rank; among equal priorities the lower
-        record first (NaN ranks as +inf). On the CPU one pass of the extension's ``pick_pages``;
-        :func:`pick_lowest` is the torch code it equals."""
-        ops = tier_step_ops() if cand.device.type == "cpu" and prio.device.type == "cpu" else None
-        if ops is not None:
-            return ops.pick_pages(prio.float().contiguous(), counts.to(torch.long).contiguous(), largest,
-                                  cand.contiguous(), None, None, None)
-        return pick_lowest(cand, -prio if largest else prio, counts)
+        record first (NaN ranks as +inf)."""
+        return self._pick(prio, counts, largest, cand=cand)
 
     def _highest(self, cand: torch.Tensor, prio: torch.Tensor, counts: torch.Tensor):
         return self._lowest(cand, prio, counts, largest=True)
 
     def _lowest_resident(self, prio: torch.Tensor, counts: torch.Tensor, protect: torch.Tensor | None):
-        """:meth:`_lowest` among :meth:`_candidates` (``prio``: [L, R]): the policy's victims. On the
-        CPU the extension's ``pick_pages`` reads the residency, T0 and ``protect`` itself (no [L, R]
-        mask built first)."""
+        """:meth:`_lowest` among :meth:`_candidates` (``prio``: [L, R]): the policy's victims."""
+        return self._pick(prio, counts, False, protect=protect, resident=True)
+
+    def _pick(self, prio: torch.Tensor, counts: torch.Tensor, largest: bool, *, cand: torch.Tensor | None = None,
+              protect: torch.Tensor | None = None, resident: bool = False):
+        """:meth:`_lowest` over ``cand`` or, ``resident``, over :meth:`_candidates` (``protect``). On
+        the CPU one pass of the extension's ``pick_pages``, which reads the residency, T0 and
+        ``protect`` itself (no [L, R] mask built first); :func:`pick_lowest` is the torch code it equals."""
         t = self.table
         ops = tier_step_ops() if prio.device.type == "cpu" and t.device_slot.device.type == "cpu" else None
         if ops is not None:
-            return ops.pick_pages(prio.float().contiguous(), counts.to(torch.long).contiguous(), False, None,
-                                  t.device_slot.contiguous(), t.t0.contiguous(),
-                                  None if protect is None else protect.contiguous())
-        return pick_lowest(self._candidates(protect), prio, counts)
+            def c(x):
+                return None if x is None else x.contiguous()
+
+            return ops.pick_pages(prio.float().contiguous(), counts.to(torch.long).contiguous(), largest, c(cand),
+                                  c(t.device_slot) if resident else None, c(t.t0) if resident else None, c(protect))
+        if resident:
+            cand = self._candidates(protect)
+        return pick_lowest(cand, -prio if largest else prio, counts)
 
     def _candidates(self, protect: torch.Tensor | None) -> torch.Tensor:
         """Full-precision resident pages that may leave the device: not T0, not ``protect``-ed."""
