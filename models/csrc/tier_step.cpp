@@ -21,6 +21,16 @@
 // Returns (layers, records) [N] each, layer by layer, within a layer by rank (the moves take
 // slots in that order). The manager's torch code (runtime/tiered/moves.py: pick_lowest) is its reference.
 //
+// wanted_pages: the pages the closing step wants on the device — needed and missing, or needed and
+// staged — that have no device slot and are alive (`want` [L, C]), what making room for them
+// must not evict (`protect` = needed | want) and how many each layer wants ([L]). One pass where
+// the torch code (runtime/tiered/step_fold.py: wanted_pages, its reference) takes five.
+//
+// lfu_priority: the lfu-importance policy's priority of every (layer, record), w_freq * frequency /
+// max(the layer's highest frequency, 1) + w_imp * importance, in float32 with each operation rounded
+// as torch rounds it (runtime/tiered/policies/lfu_importance.py: its torch code, the reference): one
+// pass where the torch code makes six over [L, C] temporaries.
+//
 // Layers are independent (a record's row is layer * C + record): torch's thread pool splits them
 // when there is enough work (layer_grain).
 
@@ -29,8 +39,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -217,28 +229,61 @@ int64_t layer_grain(int64_t per_layer) {
   return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, per_layer));
 }
 
-// One layer's [C] columns of fold_end: elementwise, through restrict pointers (so it vectorizes).
-void end_row(int64_t C, const bool* __restrict__ nd, const bool* __restrict__ mi, const bool* __restrict__ sc,
-             const float* __restrict__ ms, const float* __restrict__ rl, const float* __restrict__ im,
-             int64_t* __restrict__ la, int64_t* __restrict__ fq, int64_t* __restrict__ wa, int64_t* __restrict__ hs,
-             float* __restrict__ am, float* __restrict__ lr, float* __restrict__ ti, bool decode, int64_t step_no,
-             int64_t hist_mask, int64_t* counts) {
-  int64_t n_needed = 0, n_missing = 0;
-  if (decode)
-    for (int64_t i = 0; i < C; ++i) {
-      const int64_t n = nd[i];
-      la[i] = n ? step_no : la[i];
-      fq[i] += n;
-      wa[i] += n;
-      hs[i] = ((hs[i] << 1) & hist_mask) | n;
-    }
-  for (int64_t i = 0; i < C; ++i) {
-    n_needed += nd[i];
-    n_missing += mi[i];
+// fold_end's pieces of one chunk of a layer's columns, each of one element width with restrict
+// parameters (GCC 12 vectorizes no loop that mixes byte lanes with 8-byte ones): the needed flags
+// widened to the statistics' width first, then the decode step's statistics, then the scored
+// pages' (flags widened to 4 bytes, as the floats).
+inline void widen(int64_t n, const uint8_t* __restrict__ in, int64_t* __restrict__ out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = in[i];
+}
+inline void widen(int64_t n, const uint8_t* __restrict__ in, int32_t* __restrict__ out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = in[i];
+}
+inline void end_decode(int64_t n, const int64_t* __restrict__ nd, int64_t* __restrict__ la, int64_t* __restrict__ fq,
+                       int64_t* __restrict__ wa, int64_t* __restrict__ hs, int64_t step_no, int64_t hist_mask) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t k = nd[i];
+    la[i] = k ? step_no : la[i];
+    fq[i] += k;
+    wa[i] += k;
+    hs[i] = ((hs[i] << 1) & hist_mask) | k;
+  }
+}
+inline void end_scored(int64_t n, const int32_t* __restrict__ sc, const float* __restrict__ ms,
+                       const float* __restrict__ rl, const float* __restrict__ im, float* __restrict__ am,
+                       float* __restrict__ lr, float* __restrict__ ti) {
+  for (int64_t i = 0; i < n; ++i) {
     // scored: its mass (+0 elsewhere: adding it changes nothing) and its latest relevance and importance
     am[i] += ms[i];
     lr[i] = sc[i] ? rl[i] : lr[i];
     ti[i] = sc[i] ? im[i] : ti[i];
+  }
+}
+inline int32_t count_flags(int64_t n, const uint8_t* __restrict__ f) {
+  int32_t c = 0;
+  for (int64_t i = 0; i < n; ++i) c += f[i];
+  return c;
+}
+
+// One layer's [C] columns of fold_end, in chunks.
+void end_row(int64_t C, const bool* nd, const bool* mi, const bool* sc, const float* ms, const float* rl,
+             const float* im, int64_t* la, int64_t* fq, int64_t* wa, int64_t* hs, float* am, float* lr, float* ti,
+             bool decode, int64_t step_no, int64_t hist_mask, int64_t* counts) {
+  auto u8 = [](const bool* p) { return reinterpret_cast<const uint8_t*>(p); };
+  constexpr int64_t kChunk = 256;
+  int64_t n64[kChunk];
+  int32_t s32[kChunk];
+  int64_t n_needed = 0, n_missing = 0;
+  for (int64_t c = 0; c < C; c += kChunk) {
+    const int64_t k = std::min(kChunk, C - c);
+    if (decode) {
+      widen(k, u8(nd + c), n64);
+      end_decode(k, n64, la + c, fq + c, wa + c, hs + c, step_no, hist_mask);
+    }
+    widen(k, u8(sc + c), s32);
+    end_scored(k, s32, ms + c, rl + c, im + c, am + c, lr + c, ti + c);
+    n_needed += count_flags(k, u8(nd + c));
+    n_missing += count_flags(k, u8(mi + c));
   }
   counts[0] = n_needed;
   counts[1] = n_missing;
@@ -260,6 +305,18 @@ uint32_t order_key(float f) {
   return (b & 0x80000000u) ? ~b : b | 0x80000000u;
 }
 
+// pick_layer's flags of one chunk: a record resident (device slot >= 0), and a candidate (in `cand`,
+// resident, not T0, not protected; absent inputs given as all ones / all zeros). Restrict
+// parameters, one element width per loop: both vectorize.
+inline void resident_flags(int64_t n, const int64_t* __restrict__ slot, uint8_t* __restrict__ out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = slot[i] >= 0;
+}
+inline void candidate_flags(int64_t n, const uint8_t* __restrict__ cand, const uint8_t* __restrict__ held,
+                            const uint8_t* __restrict__ hot, const uint8_t* __restrict__ kept,
+                            uint8_t* __restrict__ out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = cand[i] & held[i] & (hot[i] ^ 1) & (kept[i] ^ 1);
+}
+
 // One layer's picks of pick_pages into `out` (records, by rank).
 void pick_layer(int64_t l, int64_t C, int64_t count, bool largest, const float* prio, const bool* cand,
                 const int64_t* resident, const bool* t0, const bool* protect, std::vector<int64_t>& idx,
@@ -272,13 +329,29 @@ void pick_layer(int64_t l, int64_t C, int64_t count, bool largest, const float* 
   const int64_t* rs = resident ? resident + l * C : nullptr;
   const bool* pr = protect ? protect + l * C : nullptr;
   // the candidates' records in order, compacted branch-free (which records qualify is random: a
-  // branch per record would mispredict), the table's columns read sequentially
+  // branch per record would mispredict), the table's columns read sequentially: per chunk the
+  // qualifying flags first (byte lanes, the residency narrowed to a byte in its own loop: both
+  // vectorize), then the compaction
   idx.resize(C);
   int64_t n = 0;
-  for (int64_t r = 0; r < C; ++r) {
-    const bool ok = (!cd || cd[r]) & (!rs || rs[r] >= 0) & (!t0 || !t0[r]) & (!pr || !pr[r]);
-    idx[n] = r;
-    n += ok;
+  constexpr int64_t kChunk = 256;
+  uint8_t ok[kChunk], held[kChunk];
+  static const std::array<uint8_t, kChunk> kOnes = [] {
+    std::array<uint8_t, kChunk> a;
+    a.fill(1);
+    return a;
+  }();
+  static const std::array<uint8_t, kChunk> kZeros{};
+  auto u8 = [](const bool* q) { return reinterpret_cast<const uint8_t*>(q); };
+  for (int64_t c = 0; c < C; c += kChunk) {
+    const int64_t k = std::min(kChunk, C - c);
+    if (rs) resident_flags(k, rs + c, held);
+    candidate_flags(k, cd ? u8(cd + c) : kOnes.data(), rs ? held : kOnes.data(), t0 ? u8(t0 + c) : kZeros.data(),
+                    pr ? u8(pr + c) : kZeros.data(), ok);
+    for (int64_t j = 0; j < k; ++j) {
+      idx[n] = c + j;
+      n += ok[j];
+    }
   }
   // a few picks among many candidates: the best `count` kept in a heap as the candidates go by (most
   // are compared with its top only; a heap of hundreds costs more in replacements than a selection);
@@ -423,6 +496,101 @@ at::Tensor fold_end(at::Tensor needed, at::Tensor missing, at::Tensor scored, at
 }
 
 
+// One layer's [C] columns of wanted_pages (byte lanes: vectorizes; the device slots are read as a
+// byte flag first, in their own loop).
+int64_t want_row(int64_t C, const uint8_t* __restrict__ mi, const uint8_t* __restrict__ nd,
+                 const uint8_t* __restrict__ st, const int64_t* __restrict__ ds, const uint8_t* __restrict__ alive,
+                 uint8_t* __restrict__ want, uint8_t* __restrict__ protect) {
+  constexpr int64_t kChunk = 256;
+  uint8_t absent[kChunk];
+  int64_t n = 0;
+  for (int64_t c = 0; c < C; c += kChunk) {
+    const int64_t k = std::min(kChunk, C - c);
+    for (int64_t j = 0; j < k; ++j) absent[j] = ds[c + j] < 0;
+    int32_t count = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      const uint8_t w = (mi[c + j] | (nd[c + j] & st[c + j])) & absent[j] & alive[c + j];
+      want[c + j] = w;
+      protect[c + j] = nd[c + j] | w;
+      count += w;
+    }
+    n += count;
+  }
+  return n;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> wanted_pages(at::Tensor missing, at::Tensor needed, at::Tensor staged,
+                                                            at::Tensor device_slot, at::Tensor alive) {
+  const int64_t L = missing.size(0), C = missing.dim() == 2 ? missing.size(1) : 0;
+  for (auto [t, name] : {std::pair{&missing, "missing"}, {&needed, "needed"}, {&staged, "staged"}})
+    check_2d(*t, name, L, C, at::kBool);
+  check_2d(device_slot, "device_slot", L, C, at::kLong);
+  TORCH_CHECK(alive.device().is_cpu() && alive.dim() == 1 && alive.size(0) == C &&
+                  alive.scalar_type() == at::kBool && alive.is_contiguous(),
+              "alive must be a contiguous CPU tensor of bool [", C, "], got ", alive.sizes());
+  auto want = at::empty({L, C}, at::kBool), protect = at::empty({L, C}, at::kBool), need = at::empty({L}, at::kLong);
+  auto u8 = [](const at::Tensor& t) { return reinterpret_cast<const uint8_t*>(t.data_ptr<bool>()); };
+  const uint8_t *mi = u8(missing), *nd = u8(needed), *st = u8(staged), *al = u8(alive);
+  auto out8 = [](at::Tensor& t) { return reinterpret_cast<uint8_t*>(t.data_ptr<bool>()); };
+  uint8_t *w = out8(want), *pr = out8(protect);
+  const int64_t* ds = device_slot.data_ptr<int64_t>();
+  int64_t* nl = need.data_ptr<int64_t>();
+  at::parallel_for(0, L, layer_grain(C), [&](int64_t begin, int64_t end) {
+    for (int64_t l = begin; l < end; ++l) {
+      const int64_t o = l * C;
+      nl[l] = want_row(C, mi + o, nd + o, st + o, ds + o, al, w + o, pr + o);
+    }
+  });
+  return {want, protect, need};
+}
+
+
+// lfu_priority's row, in chunks: the frequencies as floats (exact below 2^24), then the formula.
+// Built without fast-math and without contracting a * b + c into one fused multiply-add, so that
+// every operation rounds as torch's separate kernels round it (bit for bit the reference's).
+__attribute__((optimize("no-fast-math", "fp-contract=off"))) void priority_chunk(
+    int64_t n, const float* __restrict__ freq, const float* __restrict__ imp, float* __restrict__ out, float top,
+    float w_freq, float w_imp) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = w_freq * (freq[i] / top), b = w_imp * imp[i];
+    out[i] = a + b;
+  }
+}
+inline void to_float(int64_t n, const int64_t* __restrict__ in, float* __restrict__ out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]);
+}
+inline int64_t row_max(int64_t n, const int64_t* __restrict__ in) {
+  int64_t m = std::numeric_limits<int64_t>::min();
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, in[i]);
+  return m;
+}
+
+at::Tensor lfu_priority(at::Tensor frequency, at::Tensor importance, double w_freq, double w_imp) {
+  const int64_t L = frequency.size(0), C = frequency.dim() == 2 ? frequency.size(1) : 0;
+  check_2d(frequency, "frequency", L, C, at::kLong);
+  check_2d(importance, "importance", L, C, at::kFloat);
+  auto out = at::empty({L, C}, at::kFloat);
+  const int64_t* fq = frequency.data_ptr<int64_t>();
+  const float* im = importance.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const float wf = static_cast<float>(w_freq), wi = static_cast<float>(w_imp);
+  at::parallel_for(0, L, layer_grain(C), [&](int64_t begin, int64_t end) {
+    constexpr int64_t kChunk = 256;
+    float f[kChunk];
+    for (int64_t l = begin; l < end; ++l) {
+      const int64_t r = l * C;
+      // torch: freq.float().amax(1).clamp(min=1): the float of the highest count (the conversion keeps order)
+      const float top = C ? std::max(static_cast<float>(row_max(C, fq + r)), 1.0f) : 1.0f;
+      for (int64_t c = 0; c < C; c += kChunk) {
+        const int64_t k = std::min(kChunk, C - c);
+        to_float(k, fq + r + c, f);
+        priority_chunk(k, f, im + r + c, o + r + c, top, wf, wi);
+      }
+    }
+  });
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor> pick_pages(at::Tensor prio, at::Tensor counts, bool largest,
                                               c10::optional<at::Tensor> cand, c10::optional<at::Tensor> resident,
                                               c10::optional<at::Tensor> t0, c10::optional<at::Tensor> protect) {
@@ -483,10 +651,15 @@ TORCH_LIBRARY_FRAGMENT(tieredkv_cpu, m) {
         "Tensor(f!) last_relevance, Tensor(g!) table_importance, bool decode, int step_no, int hist_mask) -> Tensor");
   m.def("pick_pages(Tensor prio, Tensor counts, bool largest, Tensor? cand, Tensor? resident, Tensor? t0, "
         "Tensor? protect) -> (Tensor, Tensor)");
+  m.def("wanted_pages(Tensor missing, Tensor needed, Tensor staged, Tensor device_slot, Tensor alive) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.def("lfu_priority(Tensor frequency, Tensor importance, float w_freq, float w_imp) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tieredkv_cpu, CPU, m) {
   m.impl("fold_record", &fold_record);
   m.impl("fold_end", &fold_end);
   m.impl("pick_pages", &pick_pages);
+  m.impl("wanted_pages", &wanted_pages);
+  m.impl("lfu_priority", &lfu_priority);
 }

@@ -495,11 +495,10 @@ class TierManager(StepFold, PageMoves, WarmTier, WindowMigration, TierAccounting
         if not (missed or prefetch):  # nothing missing, nothing staged: nothing to admit
             self._finish_step(decode, t_start)
             return
-        want = (access.missing | (access.needed & t.staged)) & (t.device_slot < 0) & t.alive.unsqueeze(0)
+        want, protect, need = self.wanted()
         t.staged.zero_()  # the staging area is the step's: what it held is adopted below or gone
-        if any_(want):
-            need = torch.count_nonzero(want, dim=1)
-            room = self._make_room(need, protect=access.needed | want)
+        if bool(need.any()):
+            room = self._make_room(need, protect=protect)
             # room for every page wanted (the common case): no ranking; else the most important first
             fits = bool((room >= need).all())
             layers, recs = want.nonzero(as_tuple=True) if fits else self._highest(want, t.importance, room)

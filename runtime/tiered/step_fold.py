@@ -18,6 +18,17 @@ from tieredkv.runtime.tiered.page_table import HIST_MASK
 from tieredkv.runtime.tiered.step import StepPlan, StepRecord
 
 
+def wanted_pages(missing: torch.Tensor, needed: torch.Tensor, staged: torch.Tensor, device_slot: torch.Tensor,
+                 alive: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pages a closing step wants on the device (its [L, R] ``missing`` and ``needed`` pages and
+    the table's ``staged`` ones: needed and missing, or needed and staged) that have no
+    ``device_slot`` and are ``alive`` [R] -> (want [L, R], protect = needed | want: what making room
+    must not evict, how many each layer wants [L]). The torch code of the extension's
+    ``wanted_pages``, its reference."""
+    want = (missing | (needed & staged)) & (device_slot < 0) & alive.unsqueeze(0)
+    return want, needed | want, torch.count_nonzero(want, dim=1)
+
+
 def _plane(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """A record input for the op: contiguous, of ``dtype``; one expanded over the layers as its [B, M]."""
     if x is None:
@@ -107,6 +118,13 @@ class StepFold:
         m.streamed_pages += int(per.sum())
         m.staging_rounds += int((-(-per // max(1, self.staging_pages))).sum())
         self._count_h2d(int(per.sum()), count_(pages & (at(t.host_slot) < 0)))
+
+    def wanted(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`wanted_pages` of the open step: one pass of the extension's op on the CPU."""
+        t, access = self.table, self._access
+        args = (access.missing, access.needed, t.staged, t.device_slot, t.alive)
+        ops = tier_step_ops() if t.device_slot.device.type == "cpu" else None
+        return ops.wanted_pages(*args) if ops is not None else wanted_pages(*args)
 
     def fold_statistics(self, decode: bool) -> tuple[int, int]:
         """The open step's access record into the page table's statistics: for a decode step

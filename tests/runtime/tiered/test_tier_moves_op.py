@@ -40,7 +40,7 @@ def _priorities(gen: torch.Generator, shape) -> torch.Tensor:
 
 @needs_op
 @settings(max_examples=80, deadline=None)
-@given(layers=st.integers(1, 5), records=st.integers(1, 200), share=st.floats(0, 1), largest=st.booleans(),
+@given(layers=st.integers(1, 5), records=st.integers(1, 600), share=st.floats(0, 1), largest=st.booleans(),
        inputs=st.lists(st.booleans(), min_size=4, max_size=4), seed=st.integers(0, 9999))
 def test_pick_pages_equals_the_torch_reference(layers, records, share, largest, inputs, seed):
     """Candidates from any of the optional inputs (a mask, the residency, T0, a protected set)."""

@@ -17,6 +17,7 @@ from tieredkv.runtime.tiered.manager import TierManager
 from tieredkv.runtime.tiered.page_table import HIST_MASK
 from tieredkv.runtime.tiered.policies import make_policy
 from tieredkv.runtime.tiered.step import StepAccess, StepRecord
+from tieredkv.runtime.tiered.step_fold import wanted_pages
 
 needs_op = pytest.mark.skipif(tier_step_ops() is None,
                               reason=f"the CPU ops could not be built here: {cpu_attention_status()['error']}")
@@ -123,6 +124,73 @@ def test_fold_ops_equal_the_torch_reference(layers, batch, width, records, stagi
     else:
         assert got[2][1] == want[2][1]
     assert got[3] == want[3]
+
+
+@needs_op
+@pytest.mark.parametrize("records", [1, 63, 255, 256, 257, 700])
+@pytest.mark.parametrize("decode", [True, False])
+def test_fold_end_and_wanted_pages_equal_the_reference_across_chunks(records, decode):
+    """The statistics fold and the wanted pages run in chunks of 256 records: tables of awkward
+    widths, across chunk edges, give the torch code's columns exactly."""
+    gen = torch.Generator().manual_seed(records + decode)
+    mgr = _manager(3, records, 1)
+    _random_table(mgr, gen)
+    L, C = mgr.L, mgr.table.capacity
+    access = StepAccess.empty(L, C)
+    access.needed.copy_(torch.rand(L, C, generator=gen) < 0.4)
+    access.missing.copy_(access.needed & (torch.rand(L, C, generator=gen) < 0.5))
+    access.scored.copy_(torch.rand(L, C, generator=gen) < 0.7)
+    for name in ("mass", "relevance", "importance"):
+        getattr(access, name).copy_(torch.rand(L, C, generator=gen) * access.scored)
+    mgr.table.refs[torch.rand(C, generator=gen) < 0.2] = 0  # some records free: not alive
+    state, results = mgr.table.snapshot(), {}
+    for backend in ("native", "torch"):
+        mgr.table.restore(state)
+        mgr._access = dataclasses.replace(access, **{k: v.clone() for k, v in vars(access).items() if v is not None})
+        set_cpu_manager(backend)
+        try:
+            counts = mgr.fold_statistics(decode)
+            wanted = mgr.wanted()
+        finally:
+            set_cpu_manager("native")
+        results[backend] = counts, wanted, {k: getattr(mgr.table, k).clone() for k in STATS}
+    got, ref = results["native"], results["torch"]
+    assert got[0] == ref[0]
+    for a, b, name in zip(got[1], ref[1], ("want", "protect", "need")):
+        assert torch.equal(a, b), name
+    for k in STATS:
+        assert torch.equal(got[2][k], ref[2][k]), f"page-table column {k}"
+    t = mgr.table  # and the reference is what its docstring says
+    want, protect, need = wanted_pages(access.missing, access.needed, t.staged, t.device_slot, t.alive)
+    assert torch.equal(want, (access.missing | (access.needed & t.staged)) & (t.device_slot < 0) & t.alive)
+    assert bool(want.any()) or records < 64
+    assert torch.equal(need, want.sum(1)) and torch.equal(protect, access.needed | want)
+
+
+@needs_op
+@settings(max_examples=60, deadline=None)
+@given(layers=st.integers(1, 4), records=st.integers(1, 600), top=st.sampled_from([0, 1, 7, 1000, 2**23, 2**40]),
+       weights=st.sampled_from([(0.6, 0.4), (0.3, 0.7), (1 / 3, 2 / 3), (1.0, 0.0)]), seed=st.integers(0, 9999))
+def test_lfu_priority_equals_the_policy_reference(layers, records, top, weights, seed):
+    """The lfu-importance priority in one op, bit for bit the policy's torch code (every operation
+    rounded as torch rounds it: no fused multiply-add, no reciprocal), rows of all-zero counts too."""
+    from tieredkv.runtime.tiered.policies.base import PageStats
+    from tieredkv.runtime.tiered.policies.lfu_importance import LFUImportancePolicy
+
+    gen = torch.Generator().manual_seed(seed)
+    freq = torch.randint(0, top + 1, (layers, records), generator=gen)
+    if layers > 1:
+        freq[0] = 0
+    imp = torch.rand(layers, records, generator=gen) * torch.tensor([1.0, 1e-3, 1e3])[
+        torch.randint(0, 3, (layers, records), generator=gen)]
+    stats = PageStats(last_access=freq, frequency=freq, importance=imp, acc_mass=imp, position=freq)
+    policy = LFUImportancePolicy(weights)
+    got, want = tier_step_ops().lfu_priority(freq, imp, *weights), policy.reference(stats)
+    assert torch.equal(got, want)
+    assert torch.equal(policy.priority(stats), want)  # (the policy calls the op on the CPU)
+    imp[..., :1] = float("nan")
+    got, want = tier_step_ops().lfu_priority(freq, imp, *weights), policy.reference(stats)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
 @needs_op
