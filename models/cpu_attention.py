@@ -113,9 +113,9 @@ set_cpu_manager(os.environ.get("TIEREDKV_CPU_MANAGER", "native"))
 
 
 def tier_step_ops():
-    """The tier manager's ops (``fold_record``, ``fold_end``, ``pick_pages``, ``wanted_pages``, ``evict_pages``,
-    ``admit_pages``: ``torch.ops.tieredkv_cpu``), or ``None`` when switched off or not built — then
-    the manager runs its torch code."""
+    """The tier manager's ops (``fold_record``, ``fold_end``, ``wanted_pages``, ``pick_pages``,
+    ``lfu_priority``, ``evict_pages``, ``admit_pages``: ``torch.ops.tieredkv_cpu``), or ``None`` when
+    switched off or not built — then the manager runs its torch code."""
     if _STATE["manager"] != "native" or not _native():
         return None
     return torch.ops.tieredkv_cpu

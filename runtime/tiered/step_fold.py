@@ -124,7 +124,9 @@ class StepFold:
         t, access = self.table, self._access
         args = (access.missing, access.needed, t.staged, t.device_slot, t.alive)
         ops = tier_step_ops() if t.device_slot.device.type == "cpu" else None
-        return ops.wanted_pages(*args) if ops is not None else wanted_pages(*args)
+        if ops is None:
+            return wanted_pages(*args)
+        return ops.wanted_pages(*(x.contiguous() for x in args))
 
     def fold_statistics(self, decode: bool) -> tuple[int, int]:
         """The open step's access record into the page table's statistics: for a decode step
