@@ -544,7 +544,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> wanted_pages(at::Tensor missing, 
   return {want, protect, need};
 }
 
-
 // lfu_priority's row, in chunks: the frequencies as floats (exact below 2^24), then the formula.
 // Built without fast-math and without contracting a * b + c into one fused multiply-add, so that
 // every operation rounds as torch's separate kernels round it (bit for bit the reference's).
