@@ -8,16 +8,17 @@
 // host and no disk copy) is copied into the next free slot of its layer's host pool first (the
 // pairs in order; free slots in ascending order, as TierPool.alloc takes them); then its device
 // slot is freed and its T1 label dropped. Returns [4]: wasted prefetches, pages written back, pages
-// evicted (a page listed twice leaves once), 0 — or, when a layer's host pool lacks the free slots its dirty pages need, [-1, the host
-// slots per layer needed in all, 0, 0] with nothing changed (the caller grows the pool and calls
-// again).
+// evicted (a page listed twice leaves once), 0 — or, when a layer's host pool lacks the free slots
+// its dirty pages need, [-1, the host slots per layer needed in all, 0, 0] with nothing changed (the
+// caller grows the pool and calls again).
 //
 // admit_pages: non-resident pages (layers, recs) become resident, copied exact from their host
 // copies into the next free device slots of their layers (same order), a warm copy released
 // first. Returns [4]: warm copies released, pages copied that were not streamed this step
-// (`streamed`), pages admitted (a page listed twice comes in once), 0 — or [-1, the device slots per layer needed in all, 0, 0] when a layer's device
-// pool lacks the free slots, or [-2, 0, 0, 0] when a page has no host copy (it lives on disk: the
-// caller takes the torch path), each with nothing changed.
+// (`streamed`), pages admitted (a page listed twice comes in once), 0 — or [-1, the device slots per
+// layer needed in all, 0, 0] when a layer's device pool lacks the free slots, or [-2, 0, 0, 0] when
+// a page has no host copy (it lives on disk: the caller takes the torch path), each with nothing
+// changed.
 //
 // Pools: [L, S, ...] page tensors (contiguous; host and device of one dtype), their owner tables
 // [L, S] (the record a slot holds, -1 free) and their owned slots per layer [L] (`*_used`: kept

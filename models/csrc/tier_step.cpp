@@ -57,6 +57,18 @@ void check_2d(const at::Tensor& t, const char* name, int64_t rows, int64_t cols,
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+// A [C] bool column (one per record, shared by every layer), checked.
+void check_row(const at::Tensor& t, const char* name, int64_t cols) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 1 && t.size(0) == cols && t.scalar_type() == at::kBool &&
+                  t.is_contiguous(), name, " must be a contiguous CPU tensor of bool [", cols, "], got ", t.sizes());
+}
+
+// The loops below that mix element widths run over chunks of this many records, one loop per width.
+constexpr int64_t kChunk = 256;
+
+// Flags as bytes (0 / 1): GCC vectorizes byte arithmetic, not bool.
+inline const uint8_t* bytes(const bool* p) { return reinterpret_cast<const uint8_t*>(p); }
+
 // A [L, B, M] input or a [B, M] one shared by every layer: its data and the stride between layers.
 template <typename T>
 struct Plane {
@@ -157,7 +169,6 @@ void fold_span(const RecordRow& x, int64_t m0, int64_t n, int64_t r0, bool decod
   int32_t masked = 0, warm_reads = 0, pages = 0, from_disk = 0;  // (a span is shorter than 2^31 columns)
   // In chunks, one loop per element width (GCC 12 vectorizes none that mixes int64 or float lanes
   // with byte lanes): the slot columns' flags, the byte flags, the float statistics, the counts.
-  constexpr int64_t kChunk = 256;
   u8 full_of[kChunk], warm_of[kChunk], off_host[kChunk], was_masked[kChunk], was_warm[kChunk], was_page[kChunk];
   u8 none[kChunk] = {};  // no exact reads
   for (int64_t c = 0; c < n; c += kChunk) {
@@ -269,21 +280,19 @@ inline int32_t count_flags(int64_t n, const uint8_t* __restrict__ f) {
 void end_row(int64_t C, const bool* nd, const bool* mi, const bool* sc, const float* ms, const float* rl,
              const float* im, int64_t* la, int64_t* fq, int64_t* wa, int64_t* hs, float* am, float* lr, float* ti,
              bool decode, int64_t step_no, int64_t hist_mask, int64_t* counts) {
-  auto u8 = [](const bool* p) { return reinterpret_cast<const uint8_t*>(p); };
-  constexpr int64_t kChunk = 256;
   int64_t n64[kChunk];
   int32_t s32[kChunk];
   int64_t n_needed = 0, n_missing = 0;
   for (int64_t c = 0; c < C; c += kChunk) {
     const int64_t k = std::min(kChunk, C - c);
     if (decode) {
-      widen(k, u8(nd + c), n64);
+      widen(k, bytes(nd + c), n64);
       end_decode(k, n64, la + c, fq + c, wa + c, hs + c, step_no, hist_mask);
     }
-    widen(k, u8(sc + c), s32);
+    widen(k, bytes(sc + c), s32);
     end_scored(k, s32, ms + c, rl + c, im + c, am + c, lr + c, ti + c);
-    n_needed += count_flags(k, u8(nd + c));
-    n_missing += count_flags(k, u8(mi + c));
+    n_needed += count_flags(k, bytes(nd + c));
+    n_missing += count_flags(k, bytes(mi + c));
   }
   counts[0] = n_needed;
   counts[1] = n_missing;
@@ -334,7 +343,6 @@ void pick_layer(int64_t l, int64_t C, int64_t count, bool largest, const float* 
   // vectorize), then the compaction
   idx.resize(C);
   int64_t n = 0;
-  constexpr int64_t kChunk = 256;
   uint8_t ok[kChunk], held[kChunk];
   static const std::array<uint8_t, kChunk> kOnes = [] {
     std::array<uint8_t, kChunk> a;
@@ -342,12 +350,11 @@ void pick_layer(int64_t l, int64_t C, int64_t count, bool largest, const float* 
     return a;
   }();
   static const std::array<uint8_t, kChunk> kZeros{};
-  auto u8 = [](const bool* q) { return reinterpret_cast<const uint8_t*>(q); };
   for (int64_t c = 0; c < C; c += kChunk) {
     const int64_t k = std::min(kChunk, C - c);
     if (rs) resident_flags(k, rs + c, held);
-    candidate_flags(k, cd ? u8(cd + c) : kOnes.data(), rs ? held : kOnes.data(), t0 ? u8(t0 + c) : kZeros.data(),
-                    pr ? u8(pr + c) : kZeros.data(), ok);
+    candidate_flags(k, cd ? bytes(cd + c) : kOnes.data(), rs ? held : kOnes.data(),
+                    t0 ? bytes(t0 + c) : kZeros.data(), pr ? bytes(pr + c) : kZeros.data(), ok);
     for (int64_t j = 0; j < k; ++j) {
       idx[n] = c + j;
       n += ok[j];
@@ -501,7 +508,6 @@ at::Tensor fold_end(at::Tensor needed, at::Tensor missing, at::Tensor scored, at
 int64_t want_row(int64_t C, const uint8_t* __restrict__ mi, const uint8_t* __restrict__ nd,
                  const uint8_t* __restrict__ st, const int64_t* __restrict__ ds, const uint8_t* __restrict__ alive,
                  uint8_t* __restrict__ want, uint8_t* __restrict__ protect) {
-  constexpr int64_t kChunk = 256;
   uint8_t absent[kChunk];
   int64_t n = 0;
   for (int64_t c = 0; c < C; c += kChunk) {
@@ -525,12 +531,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> wanted_pages(at::Tensor missing, 
   for (auto [t, name] : {std::pair{&missing, "missing"}, {&needed, "needed"}, {&staged, "staged"}})
     check_2d(*t, name, L, C, at::kBool);
   check_2d(device_slot, "device_slot", L, C, at::kLong);
-  TORCH_CHECK(alive.device().is_cpu() && alive.dim() == 1 && alive.size(0) == C &&
-                  alive.scalar_type() == at::kBool && alive.is_contiguous(),
-              "alive must be a contiguous CPU tensor of bool [", C, "], got ", alive.sizes());
+  check_row(alive, "alive", C);
   auto want = at::empty({L, C}, at::kBool), protect = at::empty({L, C}, at::kBool), need = at::empty({L}, at::kLong);
-  auto u8 = [](const at::Tensor& t) { return reinterpret_cast<const uint8_t*>(t.data_ptr<bool>()); };
-  const uint8_t *mi = u8(missing), *nd = u8(needed), *st = u8(staged), *al = u8(alive);
+  const uint8_t *mi = bytes(missing.data_ptr<bool>()), *nd = bytes(needed.data_ptr<bool>()),
+                *st = bytes(staged.data_ptr<bool>()), *al = bytes(alive.data_ptr<bool>());
   auto out8 = [](at::Tensor& t) { return reinterpret_cast<uint8_t*>(t.data_ptr<bool>()); };
   uint8_t *w = out8(want), *pr = out8(protect);
   const int64_t* ds = device_slot.data_ptr<int64_t>();
@@ -574,7 +578,6 @@ at::Tensor lfu_priority(at::Tensor frequency, at::Tensor importance, double w_fr
   float* o = out.data_ptr<float>();
   const float wf = static_cast<float>(w_freq), wi = static_cast<float>(w_imp);
   at::parallel_for(0, L, layer_grain(C), [&](int64_t begin, int64_t end) {
-    constexpr int64_t kChunk = 256;
     float f[kChunk];
     for (int64_t l = begin; l < end; ++l) {
       const int64_t r = l * C;
@@ -610,8 +613,7 @@ std::tuple<at::Tensor, at::Tensor> pick_pages(at::Tensor prio, at::Tensor counts
     rs = resident->data_ptr<int64_t>();
   }
   if (opt(t0)) {
-    TORCH_CHECK(t0->device().is_cpu() && t0->dim() == 1 && t0->size(0) == C && t0->scalar_type() == at::kBool &&
-                    t0->is_contiguous(), "t0 must be a contiguous CPU tensor of bool [", C, "], got ", t0->sizes());
+    check_row(*t0, "t0", C);
     hot = t0->data_ptr<bool>();
   }
   if (opt(protect)) {
