@@ -5,7 +5,9 @@
 // order and `allowed` [B, M * P] says which of those keys the query may see. Each
 // (sequence, kv head) is one task of torch's thread pool: the G = H / KVH query heads that share
 // the kv head are scored against every allowed key of its pages (each key row read once for all
-// G), soft-maxed, and the values summed in the same pass over the pages. Nothing is gathered:
+// G), soft-maxed, and the values summed in the same pass over the pages; with enough sequences
+// to keep every thread busy, a sequence's kv heads are one task, read page by page (by_sequence,
+// run_fixed). Nothing is gathered:
 // the paged cache's torch path copies every page of every sequence into a [B, KVH, S, D] batch
 // first, then reads it again.
 //
@@ -198,57 +200,60 @@ void warm_value_row(const Task& t, const uint8_t* page, int64_t p, float* out) {
   }
 }
 
+// The logits of keys [s0, s0 + 16) of one task.
 template <int G, int D>
-void logits_fixed(const Task& t) {
+void logits_block(const Task& t, int64_t s0) {
   constexpr int C = D / 16;
-  __m512 q[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) q[g][c] = _mm512_loadu_ps(t.q + g * D + c * 16);
   alignas(64) float tmp[16];
-  for (int64_t s0 = 0; s0 < t.S; s0 += 16) {
-    const float* rows[16];
-    for (int j = 0; j < 16; ++j) rows[j] = t.key(t.kp, std::min<int64_t>(s0 + kPerm[j], t.S - 1));
-    const int64_t n = std::min<int64_t>(16, t.S - s0);
-    if (std::none_of(t.allowed + s0, t.allowed + s0 + n, [](bool a) { return a; })) {
-      for (int g = 0; g < G; ++g) std::fill(t.probs + g * t.S + s0, t.probs + g * t.S + s0 + n, kMasked);
-      continue;  // a page not attended (not selected): not read
-    }
-    if (t.wp && t.wp[s0 / 16]) {  // P = 16: the block is one page, held encoded
-      __m512 acc[G];
-      warm_logits<G, D>(t, t.wp[s0 / 16], acc);
-      for (int g = 0; g < G; ++g) {
-        _mm512_store_ps(tmp, acc[g]);
-        float* pr = t.probs + g * t.S + s0;
-        for (int64_t i = 0; i < n; ++i) pr[i] = t.allowed[s0 + i] ? tmp[i] * t.scale : kMasked;
-      }
-      continue;
-    }
-    for (int j = 0; j < 16; ++j) {  // the values too: the value pass then reads them from cache
-      prefetch_row(t, t.kp, s0 + kAhead + j);
-      prefetch_row(t, t.vp, s0 + kAhead + j);
-    }
+  const int64_t n = std::min<int64_t>(16, t.S - s0);
+  if (std::none_of(t.allowed + s0, t.allowed + s0 + n, [](bool a) { return a; })) {
+    for (int g = 0; g < G; ++g) std::fill(t.probs + g * t.S + s0, t.probs + g * t.S + s0 + n, kMasked);
+    return;  // a page not attended (not selected): not read
+  }
+  if (t.wp && t.wp[s0 / 16]) {  // P = 16: the block is one page, held encoded
+    __m512 acc[G];
+    warm_logits<G, D>(t, t.wp[s0 / 16], acc);
     for (int g = 0; g < G; ++g) {
-      __m512 acc[16];
-      for (int j = 0; j < 16; ++j) {
-        acc[j] = _mm512_mul_ps(q[g][0], _mm512_loadu_ps(rows[j]));
-        for (int c = 1; c < C; ++c) acc[j] = _mm512_fmadd_ps(q[g][c], _mm512_loadu_ps(rows[j] + c * 16), acc[j]);
-      }
-      _mm512_store_ps(tmp, sum16(acc));
+      _mm512_store_ps(tmp, acc[g]);
       float* pr = t.probs + g * t.S + s0;
       for (int64_t i = 0; i < n; ++i) pr[i] = t.allowed[s0 + i] ? tmp[i] * t.scale : kMasked;
     }
+    return;
   }
+  const float* rows[16];
+  for (int j = 0; j < 16; ++j) rows[j] = t.key(t.kp, std::min<int64_t>(s0 + kPerm[j], t.S - 1));
+  for (int j = 0; j < 16; ++j) {  // the values too: the value pass then reads them from cache
+    prefetch_row(t, t.kp, s0 + kAhead + j);
+    prefetch_row(t, t.vp, s0 + kAhead + j);
+  }
+  for (int g = 0; g < G; ++g) {
+    __m512 q[C];
+    for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(t.q + g * D + c * 16);
+    __m512 acc[16];
+    for (int j = 0; j < 16; ++j) {
+      acc[j] = _mm512_mul_ps(q[0], _mm512_loadu_ps(rows[j]));
+      for (int c = 1; c < C; ++c) acc[j] = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(rows[j] + c * 16), acc[j]);
+    }
+    _mm512_store_ps(tmp, sum16(acc));
+    float* pr = t.probs + g * t.S + s0;
+    for (int64_t i = 0; i < n; ++i) pr[i] = t.allowed[s0 + i] ? tmp[i] * t.scale : kMasked;
+  }
+}
+
+template <int G, int D>
+void logits_fixed(const Task& t) {
+  for (int64_t s0 = 0; s0 < t.S; s0 += 16) logits_block<G, D>(t, s0);
 }
 #else
 template <int G, int D>
 void logits_fixed(const Task& t) { logits_generic(t); }
 #endif
 
+// Adds keys [s0, s1)'s values, weighted by their probabilities, to acc [G][D].
 template <int G, int D>
-void values_fixed(const Task& t) {
-  float acc[G][D] = {};
+void values_range(const Task& t, int64_t s0, int64_t s1, float (&acc)[G][D]) {
   alignas(64) float row[D];
-  for (int64_t s = 0; s < t.S; ++s) {
+  for (int64_t s = s0; s < s1; ++s) {
     if (!t.allowed[s]) continue;
     const float* vr = t.key(t.vp, s);
 #if defined(__AVX512F__)
@@ -262,6 +267,12 @@ void values_fixed(const Task& t) {
       for (int d = 0; d < D; ++d) acc[g][d] += w * vr[d];
     }
   }
+}
+
+template <int G, int D>
+void values_fixed(const Task& t) {
+  float acc[G][D] = {};
+  values_range<G, D>(t, 0, t.S, acc);
   std::copy(&acc[0][0], &acc[0][0] + G * D, t.out);
 }
 
@@ -282,19 +293,48 @@ void softmax(const Task& t) {
   }
 }
 
-using Kernel = void (*)(const Task&);
+// A kernel runs n tasks: the kv heads of one sequence (n > 1), or one (sequence, kv head).
+using Kernel = void (*)(const Task*, int64_t n);
 
+// n > 1: the heads' pages read page by page, all heads of a page together — a pool slot holds
+// the page's kv heads side by side, so a page is one run of KVH * P * D floats rather than KVH
+// separate 4 KB blocks (the hardware prefetcher follows a run, not scattered blocks). Each head's
+// keys are scored, soft-maxed and summed in the same order as alone: the same result, bit for bit.
 template <int G, int D>
-void run_fixed(const Task& t) {
-  logits_fixed<G, D>(t);
-  softmax(t);
-  values_fixed<G, D>(t);
+void run_fixed(const Task* ts, int64_t n) {
+  if (n == 1) {
+    logits_fixed<G, D>(ts[0]);
+    softmax(ts[0]);
+    values_fixed<G, D>(ts[0]);
+    return;
+  }
+  const int64_t S = ts[0].S;
+#if defined(__AVX512F__)
+  for (int64_t s0 = 0; s0 < S; s0 += 16)
+    for (int64_t i = 0; i < n; ++i) logits_block<G, D>(ts[i], s0);
+#else
+  for (int64_t i = 0; i < n; ++i) logits_fixed<G, D>(ts[i]);
+#endif
+  for (int64_t i = 0; i < n; ++i) softmax(ts[i]);
+  std::vector<float> sums(n * G * D, 0.f);
+  float acc[G][D];
+  const int64_t block = ts[0].P;
+  for (int64_t s0 = 0; s0 < S; s0 += block)
+    for (int64_t i = 0; i < n; ++i) {
+      float* a = sums.data() + i * G * D;
+      std::copy(a, a + G * D, &acc[0][0]);
+      values_range<G, D>(ts[i], s0, std::min(S, s0 + block), acc);
+      std::copy(&acc[0][0], &acc[0][0] + G * D, a);
+    }
+  for (int64_t i = 0; i < n; ++i) std::copy(sums.data() + i * G * D, sums.data() + (i + 1) * G * D, ts[i].out);
 }
 
-void run_generic(const Task& t) {
-  logits_generic(t);
-  softmax(t);
-  values_generic(t);
+void run_generic(const Task* ts, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    logits_generic(ts[i]);
+    softmax(ts[i]);
+    values_generic(ts[i]);
+  }
 }
 
 template <int D>
@@ -347,73 +387,99 @@ bool warm_in_place(const WarmCodec& c, bool fixed, int64_t P, int64_t D) {
 #endif
 }
 
-// Every (sequence, kv head) task: the page pointers resolved (warm pages decoded into the task's
-// scratch), the kernel run, and the attention mass per page summed over the task's query heads
-// into mass [B, KVH, M] when asked for.
+// Whether a sequence's kv heads run as one task (read page by page: see run_fixed) rather than one
+// task each: when there are enough sequences to keep every thread busy.
+bool by_sequence(int64_t B, int64_t KVH) { return KVH > 1 && B >= 4 * at::get_num_threads(); }
+
+// Every (sequence, kv head): the page pointers resolved (warm pages decoded into the task's
+// scratch), the kernel run — one sequence's heads together, or each head alone (by_sequence) —
+// and the attention mass per page summed over the head's query heads into mass [B, KVH, M] when
+// asked for.
 void run_tasks(const float* q, float* out, float* mass, const Sources& src, const bool* allowed, int64_t allowed_heads,
                int64_t B, int64_t H, int64_t KVH, int64_t M, int64_t P, int64_t D, float scale) {
   const int64_t G = H / KVH, S = M * P;
   const Kernel kernel = pick(G, D);
   const bool in_place = warm_in_place(src.codec, kernel != run_generic, P, D);
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> probs(G * S), zeros(P * D, 0.f), decoded;
-    std::vector<const float*> kp(M), vp(M);
-    std::vector<const uint8_t*> wp(in_place ? M : 0, nullptr);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / KVH, h = task % KVH;
-      const bool* al = allowed + (b * allowed_heads + (allowed_heads == 1 ? 0 : h)) * S;
-      float* o = out + (b * H + h * G) * D;
-      if (std::none_of(al, al + S, [](bool a) { return a; })) {
-        std::fill(o, o + G * D, 0.f);
-        if (mass) std::fill(mass + task * M, mass + (task + 1) * M, 0.f);
-        continue;
+  const int64_t heads = by_sequence(B, KVH) ? KVH : 1;  // per unit of work
+  at::parallel_for(0, B * KVH / heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> probs(heads * G * S), zeros(P * D, 0.f), decoded;
+    std::vector<const float*> kp(heads * M), vp(heads * M);
+    std::vector<const uint8_t*> wp(in_place ? heads * M : 0, nullptr);
+    std::vector<Task> tasks;
+    std::vector<int64_t> ids;
+    for (int64_t unit = begin; unit < end; ++unit) {
+      tasks.clear();
+      ids.clear();
+      for (int64_t task = unit * heads; task < (unit + 1) * heads; ++task) {
+        const int64_t b = task / KVH, h = task % KVH;
+        const bool* al = allowed + (b * allowed_heads + (allowed_heads == 1 ? 0 : h)) * S;
+        if (std::none_of(al, al + S, [](bool x) { return x; })) {
+          float* o = out + (b * H + h * G) * D;
+          std::fill(o, o + G * D, 0.f);
+          if (mass) std::fill(mass + task * M, mass + (task + 1) * M, 0.f);
+        } else {
+          ids.push_back(task);
+        }
       }
+      // the warm pages decoded for the kernel (unless it reads them in place), sized first: the
+      // tasks keep pointers into it
       int64_t n_warm = 0;
-      for (int64_t m = 0; m < M; ++m) n_warm += !in_place && src.of(b * M + m) == kWarm;
+      for (const int64_t task : ids)
+        for (int64_t m = 0; m < M; ++m) n_warm += !in_place && src.of(task / KVH * M + m) == kWarm;
       if (static_cast<int64_t>(decoded.size()) < 2 * n_warm * P * D) decoded.resize(2 * n_warm * P * D);
       int64_t w = 0;
-      for (int64_t m = 0; m < M; ++m) {
-        const int64_t slot = src.slot[b * M + m];
-        if (in_place) wp[m] = nullptr;
-        if (std::none_of(al + m * P, al + (m + 1) * P, [](bool a) { return a; })) {
-          kp[m] = vp[m] = zeros.data();  // not attended: never read
-          continue;
-        }
-        switch (src.of(b * M + m)) {
-          case kPool:
-            kp[m] = src.pool_k + (slot * KVH + h) * P * D;
-            vp[m] = src.pool_v + (slot * KVH + h) * P * D;
-            break;
-          case kExtra:
-            kp[m] = src.extra_k + (slot * KVH + h) * P * D;
-            vp[m] = src.extra_v + (slot * KVH + h) * P * D;
-            break;
-          default: {
-            if (in_place) {  // read by the kernel itself
-              kp[m] = vp[m] = zeros.data();
-              wp[m] = src.warm + slot * src.warm_bytes;
+      for (size_t i = 0; i < ids.size(); ++i) {
+        const int64_t task = ids[i], b = task / KVH, h = task % KVH;
+        const bool* al = allowed + (b * allowed_heads + (allowed_heads == 1 ? 0 : h)) * S;
+        const float** kpi = kp.data() + i * M;
+        const float** vpi = vp.data() + i * M;
+        const uint8_t** wpi = in_place ? wp.data() + i * M : nullptr;
+        for (int64_t m = 0; m < M; ++m) {
+          const int64_t slot = src.slot[b * M + m];
+          if (in_place) wpi[m] = nullptr;
+          if (std::none_of(al + m * P, al + (m + 1) * P, [](bool x) { return x; })) {
+            kpi[m] = vpi[m] = zeros.data();  // not attended: never read
+            continue;
+          }
+          switch (src.of(b * M + m)) {
+            case kPool:
+              kpi[m] = src.pool_k + (slot * KVH + h) * P * D;
+              vpi[m] = src.pool_v + (slot * KVH + h) * P * D;
               break;
+            case kExtra:
+              kpi[m] = src.extra_k + (slot * KVH + h) * P * D;
+              vpi[m] = src.extra_v + (slot * KVH + h) * P * D;
+              break;
+            default: {
+              if (in_place) {  // read by the kernel itself
+                kpi[m] = vpi[m] = zeros.data();
+                wpi[m] = src.warm + slot * src.warm_bytes;
+                break;
+              }
+              float* k = decoded.data() + 2 * w * P * D;
+              src.codec.decode(src.warm + slot * src.warm_bytes, h, P, D, k, k + P * D);
+              kpi[m] = k;
+              vpi[m] = k + P * D;
+              ++w;
             }
-            float* k = decoded.data() + 2 * w * P * D;
-            src.codec.decode(src.warm + slot * src.warm_bytes, h, P, D, k, k + P * D);
-            kp[m] = k;
-            vp[m] = k + P * D;
-            ++w;
           }
         }
+        tasks.push_back(Task{q + (b * H + h * G) * D, kpi, vpi, al, out + (b * H + h * G) * D,
+                             probs.data() + i * G * S, M, P, G, D, S, scale, wpi, &src.codec, h});
       }
-      Task t{q + (b * H + h * G) * D, kp.data(), vp.data(), al, o, probs.data(), M, P, G, D, S, scale,
-             in_place ? wp.data() : nullptr, &src.codec, h};
-      kernel(t);
-      if (mass) {
-        float* ms = mass + task * M;
-        for (int64_t m = 0; m < M; ++m) {
-          float acc = 0.f;
-          for (int64_t g = 0; g < G; ++g)
-            for (int64_t p = 0; p < P; ++p) acc += t.probs[g * S + m * P + p];
-          ms[m] = acc;
+      if (tasks.empty()) continue;
+      kernel(tasks.data(), static_cast<int64_t>(tasks.size()));
+      if (mass)
+        for (size_t i = 0; i < ids.size(); ++i) {
+          const Task& t = tasks[i];
+          float* ms = mass + ids[i] * M;
+          for (int64_t m = 0; m < M; ++m) {
+            float acc = 0.f;
+            for (int64_t g = 0; g < G; ++g)
+              for (int64_t p = 0; p < P; ++p) acc += t.probs[g * S + m * P + p];
+            ms[m] = acc;
+          }
         }
-      }
     }
   });
 }

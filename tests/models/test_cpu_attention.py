@@ -171,6 +171,55 @@ def test_tiered_variant_without_warm_pages_equals_the_paged_op():
     torch.testing.assert_close(mass.sum(1), torch.ones(4))
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread: a batch of four or more sequences then runs each sequence's kv heads as
+    one task, read page by page (paged_attention.cpp's ``by_sequence``); one sequence alone runs a
+    task per kv head."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@needs_op
+@pytest.mark.parametrize("shape", [(5, 3, 3, 64, 16, 7), (4, 2, 4, 128, 16, 5), (6, 3, 5, 48, 5, 3),
+                                   (4, 4, 2, 64, 3, 9)], ids=lambda s: "b{}-kvh{}-g{}-d{}-p{}-m{}".format(*s))
+def test_heads_read_together_equal_heads_read_alone(shape, one_thread):
+    """A batch's sequences read page by page across their kv heads give each sequence's result
+    alone (a task per kv head) bit for bit, and the torch path's to rounding."""
+    q, pool_k, pool_v, pages = case(*shape, seed=11)
+    b, m, p = shape[0], shape[5], shape[4]
+    allowed = torch.rand(b, m * p, generator=torch.Generator().manual_seed(4)) < 0.7
+    allowed[:, 0] = True
+    allowed[1] = False
+    got = pool_decode_attention(q, pool_k, pool_v, pages, allowed)
+    for i in range(b):
+        alone = pool_decode_attention(q[i:i + 1], pool_k, pool_v, pages[i:i + 1], allowed[i:i + 1])
+        assert torch.equal(got[i:i + 1], alone)
+    torch.testing.assert_close(got, reference(q, pool_k, pool_v, pages, allowed), rtol=1e-5, atol=2e-6)
+
+
+@needs_op
+@pytest.mark.parametrize("heads_mask", [False, True], ids=["mask-per-sequence", "mask-per-kv-head"])
+@pytest.mark.parametrize("shape", [(5, 3, 3, 64, 16, 7, "int4"), (4, 3, 2, 64, 16, 9, "int2"),
+                                   (4, 2, 5, 48, 16, 4, "int4")],
+                         ids=lambda s: "b{}-kvh{}-g{}-d{}-p{}-m{}-{}".format(*s))
+def test_tiered_heads_read_together_equal_heads_read_alone(shape, heads_mask, one_thread):
+    """The tiered variant likewise, warm pages read in place (4-bit) or decoded (2-bit), and the
+    per-page mass too."""
+    b, kvh, g, d, p, m, codec = shape
+    args, kw, (want, want_mass) = tiered_case(b, kvh, g, d, p, m, codec, seed=7, heads_mask=heads_mask)
+    got, mass = tiered_decode_attention(*args, **kw)
+    q, pool_k, pool_v, kind, slot, allowed = args
+    for i in range(b):
+        one = (q[i:i + 1], pool_k, pool_v, kind[i:i + 1], slot[i:i + 1], allowed[i:i + 1])
+        alone, alone_mass = tiered_decode_attention(*one, **kw)
+        assert torch.equal(got[i:i + 1], alone) and torch.equal(mass[i:i + 1], alone_mass)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mass, want_mass, rtol=1e-5, atol=1e-6)
+
+
 @needs_op
 def test_tiered_variant_refuses_bad_pages():
     (q, pool_k, pool_v, kind, slot, allowed), kw, _ = tiered_case(2, 3, 3, 64, 16, 4, "int4", seed=0)
