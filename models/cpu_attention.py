@@ -36,8 +36,9 @@ import torch
 from tieredkv.errors import ConfigError
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-#: one extension: the attention ops and the tier manager's step accounting and page moves
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "tier_step.cpp", CSRC / "tier_moves.cpp")
+#: one extension: the attention ops, the tier manager's step accounting and page moves, and the
+#: linear layers' few-row path (``models.cpu_linear``)
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "tier_step.cpp", CSRC / "tier_moves.cpp", CSRC / "small_linear.cpp")
 BACKENDS = ("paged", "torch")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-lmvec", "-fopenmp"]  # glibc's vector math (the softmax's exponentials); OpenMP: torch's own runtime
@@ -138,6 +139,13 @@ def select_op():
     """SelectPages over [N, M] rows in float32 (the reference's result, bit for bit), or ``None`` as
     :func:`decode_attention_op`."""
     return None if decode_attention_op() is None else torch.ops.tieredkv_cpu.select_pages
+
+
+def small_linear_op():
+    """The linear layers' few-row product (``small_linear``: x [1-4, K] against row-major weights,
+    outputs side by side), or ``None`` when the extension is not built here. Switched with the linear
+    layers' backend (``models.cpu_linear``), not this module's."""
+    return torch.ops.tieredkv_cpu.small_linear if _native() else None
 
 
 def prepare(device: torch.device | str, dtype: torch.dtype, log=None) -> None:

@@ -10,6 +10,14 @@ faster with it and ``cpu_attention`` (docs/benchmarks.md §12, "Eighth pass"). P
 read the same input run as one GEMM over their concatenated weights (q / k / v, gate / up): one
 call where there were three, bit-identical to the separate calls.
 
+At one to four input rows (decode at a small batch) the GEMMs are matrix-vector products bound
+by reading the weights, and the packed GEMM reads them at ~17-19 GB/s here: those rows go
+through the CPU extension's ``small_linear`` instead (``models/csrc/small_linear.cpp``: each
+weight row streamed once from nn.Linear's own row-major layout, no copy), 1.2-1.8x faster per
+decode step's linear layers at one to four rows (docs/benchmarks.md §12, "Sixteenth pass"). Its
+sums differ from oneDNN's in rounding (both within float32 rounding of ``F.linear``), and each
+output is the same whatever the other rows.
+
 The price is a second copy of the weights (the packed one). ``set_cpu_linear("torch")`` or
 ``TIEREDKV_CPU_LINEAR=torch`` turns it off; other devices and dtypes, autograd and tracing
 always take ``F.linear``.
@@ -27,6 +35,18 @@ from tieredkv.errors import ConfigError
 
 BACKENDS = ("onednn", "torch")
 _STATE = {"backend": "onednn"}
+#: input rows up to which the fast path runs the extension's row-major product (``small_linear``)
+SMALL_ROWS = 4
+_SMALL: dict = {}
+
+
+def _small_op():
+    """``models/csrc/small_linear.cpp``'s op, or ``None`` where the extension cannot be built."""
+    if "op" not in _SMALL:
+        from tieredkv.models.cpu_attention import small_linear_op
+
+        _SMALL["op"] = small_linear_op()
+    return _SMALL["op"]
 
 
 def _onednn_available() -> bool:
@@ -100,11 +120,19 @@ class PackedLinears:
         if packed is None:
             outs = [F.linear(x, lin.weight) for lin in self.linears]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return self._product(x, packed)
+
+    def _product(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """The fast path's joint output: a few rows (decode at a small batch) through the
+        extension's row-major product, more through oneDNN's packed GEMM."""
+        rows = x.numel() // x.shape[-1]
+        if rows <= SMALL_ROWS and _small_op() is not None and all(w.is_contiguous() for w in self._weights):
+            return _small_op()(x.reshape(rows, x.shape[-1]).contiguous(), self._weights).view(*x.shape[:-1], -1)
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         packed = self._pack(x)
         if packed is None:
             return tuple(F.linear(x, lin.weight) for lin in self.linears)
-        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        y = self._product(x, packed)
         return (y,) if len(self._sizes) == 1 else y.split(self._sizes, dim=-1)

@@ -79,3 +79,66 @@ def test_autograd_and_the_torch_backend_take_f_linear(layers):
 def test_bias_is_refused():
     with pytest.raises(ValueError, match="bias-free"):
         PackedLinears(nn.Linear(4, 4))
+
+
+# ------------------------------------------------------------------ a few rows: small_linear
+SMALL = cpu_linear._small_op()
+needs_small = pytest.mark.skipif(SMALL is None, reason="the CPU extension could not be built here")
+
+
+@needs_small
+@pytest.mark.parametrize("k", [576, 48, 37, 80])  # a multiple of 64, of 16 only, neither, 16 with a remainder
+@pytest.mark.parametrize("outs", [(1,), (29, 11, 11), (130, 64, 200)])
+def test_small_linear_matches_f_linear_and_each_row_alone(k, outs):
+    """Every row count it takes, weights spanning several units of work, K on and off the vector
+    path: the exact products' values to float32 rounding (1e-6 of the sum of |w x|), and each
+    input row's output the same bit for bit whatever rows come with it and whatever the thread
+    count."""
+    gen = torch.Generator().manual_seed(k + sum(outs))
+    weights = [torch.randn(n, k, generator=gen) for n in outs]
+    x = torch.randn(4, k, generator=gen)
+    want = torch.cat([F.linear(x.double(), w.double()) for w in weights], -1)
+    bound = 1e-6 * torch.cat([F.linear(x.abs().double(), w.abs().double()) for w in weights], -1)  # float32 rounding
+    threads = torch.get_num_threads()
+    try:
+        for rows in range(1, 5):
+            got = SMALL(x[:rows].contiguous(), weights)
+            assert got.shape == (rows, sum(outs))
+            assert bool(((got.double() - want[:rows]).abs() <= bound[:rows]).all())
+            for i in range(rows):
+                assert torch.equal(got[i], SMALL(x[i:i + 1].contiguous(), weights)[0])
+        torch.set_num_threads(1)
+        assert torch.equal(SMALL(x, weights), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_small
+def test_small_linear_refuses_bad_arguments():
+    w = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        SMALL(torch.randn(5, 16), [w])
+    with pytest.raises(RuntimeError, match="columns"):
+        SMALL(torch.randn(2, 15), [w])
+    with pytest.raises(RuntimeError, match="float32"):
+        SMALL(torch.randn(2, 16), [w.double()])
+    with pytest.raises(RuntimeError, match="at least one weight"):
+        SMALL(torch.randn(2, 16), [])
+
+
+@needs_small
+def test_packed_layers_take_small_linear_up_to_four_rows():
+    """Up to four rows the layers' joint output is small_linear's, beyond it oneDNN's; both
+    F.linear's to rounding."""
+    torch.manual_seed(1)
+    layers = [nn.Linear(64, n, bias=False) for n in (40, 24)]
+    packed = PackedLinears(*layers)
+    with torch.no_grad():
+        for shape in [(1, 1), (2, 2), (4, 1), (5, 1), (3, 5)]:
+            x = torch.randn(*shape, 64)
+            got = packed.joint(x)
+            rows = x.numel() // 64
+            if rows <= cpu_linear.SMALL_ROWS:
+                assert torch.equal(got, SMALL(x.reshape(rows, 64), [lin.weight for lin in layers]).view(*shape, -1))
+            torch.testing.assert_close(got, torch.cat([F.linear(x, lin.weight) for lin in layers], -1),
+                                       rtol=1e-5, atol=1e-5)
