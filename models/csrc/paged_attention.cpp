@@ -388,19 +388,21 @@ bool warm_in_place(const WarmCodec& c, bool fixed, int64_t P, int64_t D) {
 }
 
 // Whether a sequence's kv heads run as one task (read page by page: see run_fixed) rather than one
-// task each: when there are enough sequences to keep every thread busy.
+// task each: when there are enough sequences to keep every thread busy. The paged op only: the
+// tiered op, whose pages come from three places and are mostly not attended at a bound budget,
+// ran 14 % slower that way at batch 16 (docs/benchmarks.md §12, "Sixteenth pass").
 bool by_sequence(int64_t B, int64_t KVH) { return KVH > 1 && B >= 4 * at::get_num_threads(); }
 
 // Every (sequence, kv head): the page pointers resolved (warm pages decoded into the task's
-// scratch), the kernel run — one sequence's heads together, or each head alone (by_sequence) —
+// scratch), the kernel run — one sequence's heads together (`group` and by_sequence), or each head alone —
 // and the attention mass per page summed over the head's query heads into mass [B, KVH, M] when
 // asked for.
 void run_tasks(const float* q, float* out, float* mass, const Sources& src, const bool* allowed, int64_t allowed_heads,
-               int64_t B, int64_t H, int64_t KVH, int64_t M, int64_t P, int64_t D, float scale) {
+               int64_t B, int64_t H, int64_t KVH, int64_t M, int64_t P, int64_t D, float scale, bool group) {
   const int64_t G = H / KVH, S = M * P;
   const Kernel kernel = pick(G, D);
   const bool in_place = warm_in_place(src.codec, kernel != run_generic, P, D);
-  const int64_t heads = by_sequence(B, KVH) ? KVH : 1;  // per unit of work
+  const int64_t heads = group && by_sequence(B, KVH) ? KVH : 1;  // per unit of work
   at::parallel_for(0, B * KVH / heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> probs(heads * G * S), zeros(P * D, 0.f), decoded;
     std::vector<const float*> kp(heads * M), vp(heads * M);
@@ -525,7 +527,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor pool_k, at::Tensor po
   const Sources src{pool_k.data_ptr<float>(), pool_v.data_ptr<float>(), nullptr, nullptr, nullptr, 0, {},
                     nullptr, pages.data_ptr<int64_t>()};
   run_tasks(q.data_ptr<float>(), out.data_ptr<float>(), nullptr, src, allowed.data_ptr<bool>(), 1, B, H, KVH, M, P, D,
-            static_cast<float>(scale));
+            static_cast<float>(scale), /*group=*/true);
   return out;
 }
 
@@ -587,7 +589,7 @@ std::tuple<at::Tensor, at::Tensor> tiered_decode_attention(at::Tensor q, at::Ten
   const Sources src{pool_k.data_ptr<float>(), pool_v.data_ptr<float>(), extra_k.data_ptr<float>(),
                     extra_v.data_ptr<float>(), warm.data_ptr<uint8_t>(), warm.size(1), codec, kd, sl};
   run_tasks(q.data_ptr<float>(), out.data_ptr<float>(), mass.data_ptr<float>(), src, allowed.data_ptr<bool>(), A, B, H,
-            KVH, M, P, D, static_cast<float>(scale));
+            KVH, M, P, D, static_cast<float>(scale), /*group=*/false);
   return {out, mass};
 }
 

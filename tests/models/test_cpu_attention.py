@@ -206,8 +206,9 @@ def test_heads_read_together_equal_heads_read_alone(shape, one_thread):
                                    (4, 2, 5, 48, 16, 4, "int4")],
                          ids=lambda s: "b{}-kvh{}-g{}-d{}-p{}-m{}-{}".format(*s))
 def test_tiered_heads_read_together_equal_heads_read_alone(shape, heads_mask, one_thread):
-    """The tiered variant likewise, warm pages read in place (4-bit) or decoded (2-bit), and the
-    per-page mass too."""
+    """The tiered variant (a task per kv head at any batch: grouping the heads was slower there)
+    gives each sequence's result alone too, warm pages read in place (4-bit) or decoded (2-bit),
+    and the per-page mass."""
     b, kvh, g, d, p, m, codec = shape
     args, kw, (want, want_mass) = tiered_case(b, kvh, g, d, p, m, codec, seed=7, heads_mask=heads_mask)
     got, mass = tiered_decode_attention(*args, **kw)
