@@ -125,9 +125,9 @@ class PackedLinears:
     def _product(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         """The fast path's joint output: a few rows (decode at a small batch) through the
         extension's row-major product, more through oneDNN's packed GEMM."""
-        rows = x.numel() // x.shape[-1]
-        if rows <= SMALL_ROWS and _small_op() is not None and all(w.is_contiguous() for w in self._weights):
-            return _small_op()(x.reshape(rows, x.shape[-1]).contiguous(), self._weights).view(*x.shape[:-1], -1)
+        rows, small = x.numel() // x.shape[-1], _small_op()
+        if rows <= SMALL_ROWS and small is not None and all(w.is_contiguous() for w in self._weights):
+            return small(x.reshape(rows, x.shape[-1]).contiguous(), self._weights).view(*x.shape[:-1], -1)
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

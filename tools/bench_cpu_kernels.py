@@ -14,7 +14,7 @@
 
 Milliseconds per call, the mean of the timed calls after warm-up calls. By default weights and
 pages are warm in cache; with ``--cold`` they come from memory as in a model's decode step: 30
-copies of each (one per layer of SmolLM2; 4 of the output projection) called in turn, and each
+copies of each (one per layer of SmolLM2; 3 of the output projection) called in turn, and each
 sequence's pages in consecutive slots, as the paged cache allocates a prompt's pages. The
 decode benchmark (``tools/bench_decode.py``) measures the model itself.
 """

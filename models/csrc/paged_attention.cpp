@@ -403,6 +403,10 @@ void run_tasks(const float* q, float* out, float* mass, const Sources& src, cons
   const Kernel kernel = pick(G, D);
   const bool in_place = warm_in_place(src.codec, kernel != run_generic, P, D);
   const int64_t heads = group && by_sequence(B, KVH) ? KVH : 1;  // per unit of work
+  // the keys task (b * KVH + h)'s queries may see: its sequence's row, or its kv head's
+  const auto allowed_row = [&](int64_t task) {
+    return allowed + (task / KVH * allowed_heads + (allowed_heads == 1 ? 0 : task % KVH)) * S;
+  };
   at::parallel_for(0, B * KVH / heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> probs(heads * G * S), zeros(P * D, 0.f), decoded;
     std::vector<const float*> kp(heads * M), vp(heads * M);
@@ -413,10 +417,9 @@ void run_tasks(const float* q, float* out, float* mass, const Sources& src, cons
       tasks.clear();
       ids.clear();
       for (int64_t task = unit * heads; task < (unit + 1) * heads; ++task) {
-        const int64_t b = task / KVH, h = task % KVH;
-        const bool* al = allowed + (b * allowed_heads + (allowed_heads == 1 ? 0 : h)) * S;
+        const bool* al = allowed_row(task);
         if (std::none_of(al, al + S, [](bool x) { return x; })) {
-          float* o = out + (b * H + h * G) * D;
+          float* o = out + task * G * D;
           std::fill(o, o + G * D, 0.f);
           if (mass) std::fill(mass + task * M, mass + (task + 1) * M, 0.f);
         } else {
@@ -432,7 +435,7 @@ void run_tasks(const float* q, float* out, float* mass, const Sources& src, cons
       int64_t w = 0;
       for (size_t i = 0; i < ids.size(); ++i) {
         const int64_t task = ids[i], b = task / KVH, h = task % KVH;
-        const bool* al = allowed + (b * allowed_heads + (allowed_heads == 1 ? 0 : h)) * S;
+        const bool* al = allowed_row(task);
         const float** kpi = kp.data() + i * M;
         const float** vpi = vp.data() + i * M;
         const uint8_t** wpi = in_place ? wp.data() + i * M : nullptr;
