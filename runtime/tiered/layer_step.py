@@ -156,6 +156,7 @@ class LayerStep:
         self._allowed_all = None  # the keys every query may see when a layer attends every page
         self._inside = None  # of those, [B, M, P] (a decode step through the CPU op)
         self._resident = None  # every layer's (device, warm, host) slots, [L, B, M] (:meth:`layer_slots`)
+        self._sources: OpSources | None | bool = False  # the CPU op's page sources (:meth:`op_sources`); False: not yet
         self._select_args: dict = {}  # select_pages's masks and budgets by (rows per sequence, budget)
         #: SelectPages as one CPU op (the reference's result) where the step runs on the CPU; else None
         self.select_op = select_op() if self.decode and self.dev.type == "cpu" else None
@@ -335,11 +336,15 @@ class LayerStep:
             flat = recs.flatten()
             return tuple(col[layer].index_select(0, flat).view(recs.shape)
                          for col in (t.device_slot, t.warm_slot, t.host_slot))
+        return tuple(x[layer] for x in self._resident_slots())
+
+    def _resident_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every layer's (device, warm, host) slots [L, B, M] of the listed pages, read once."""
         if self._resident is None:
-            flat = recs.flatten()
-            self._resident = tuple(col.index_select(1, flat).view(-1, *recs.shape)
+            t, flat = self.mgr.table, self.plan.recs.flatten()
+            self._resident = tuple(col.index_select(1, flat).view(-1, *self.plan.recs.shape)
                                    for col in (t.device_slot, t.warm_slot, t.host_slot))
-        return tuple(x[layer] for x in self._resident)
+        return self._resident
 
     def gather_and_attend(self, layer: int, q: torch.Tensor, selected: torch.Tensor, attended: torch.Tensor,
                           heads: torch.Tensor | None, exact: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -402,6 +407,13 @@ class LayerStep:
         B, M = plan.batch, plan.width
         pool_k, pool_v = mgr.device.k[layer], mgr.device.v[layer]
         warm = self.in_place
+        src = self.op_sources()
+        if src is not None and src.whole[layer]:  # every page where the step's sources say
+            page_mask = attended.unsqueeze(1) if heads is None else heads & attended.unsqueeze(1)  # [B, 1 or KVH, M]
+            allowed = self._inside.unsqueeze(1) & page_mask.unsqueeze(-1)  # [B, 1 or KVH, M, P]
+            return tiered_decode_attention(q, pool_k, pool_v, src.kind[layer], src.slot[layer],
+                                           allowed.view(B, allowed.shape[1], -1), extra_k=mgr.host.k[layer],
+                                           extra_v=mgr.host.v[layer], **src.warm(layer))
         on_dev, att = dslot >= 0, attended.cpu()  # (the op runs on the CPU: views, no copies)
         exact = None if exact is None else exact.cpu()
         kind = torch.full((B, M), POOL, dtype=torch.int8)
@@ -445,6 +457,56 @@ class LayerStep:
         allowed = self._inside.unsqueeze(1) & page_mask.unsqueeze(-1)  # [B, 1 or KVH, M, P]
         return tiered_decode_attention(q, pool_k, pool_v, kind, slot, allowed.view(B, allowed.shape[1], -1), **kw)
 
+    def op_sources(self) -> "OpSources | None":
+        """Where every layer's listed pages lie for the CPU op (:meth:`attend_in_place`), worked out
+        once per step: residency holds still during the step (no layer-ahead prefetch), the op runs
+        on the CPU and the host pool lies in the device pool's memory and dtype. A page is read from
+        the device pool by slot; else from the warm pool encoded where the op reads it (not one of
+        the layer's exact reads); else from the host pool where it lies (the copy a deployment makes
+        across the link counted at the step's end, :meth:`count_host_reads`). A layer any of whose
+        listed pages none of those holds (on the disk; a warm page the op cannot read) takes
+        :meth:`attend_in_place`'s general path, which reads only its attended pages' sources.
+        None where the step has no such sources (the general path in every layer)."""
+        if self._sources is not False:
+            return self._sources
+        self._sources = None
+        mgr = self.mgr
+        if self.moves_inside or self.in_place is None or self.dev.type != "cpu":
+            return None
+        if not mgr.host_in_place(mgr.device.k):
+            return None
+        dslot, wslot, hslot = self._resident_slots()  # [L, B, M] each
+        on_dev = dslot >= 0
+        kind = torch.full(dslot.shape, POOL, dtype=torch.int8)
+        slot = dslot.clamp(min=0)
+        exact = self.exact_choice.cpu() if self.exact_choice is not None else None
+        encoded = (wslot >= 0) if exact is None else (wslot >= 0) & ~exact  # held warm and not read exact
+        if self.in_place and mgr.warm is not None:
+            in_warm = ~on_dev & encoded
+            kind[in_warm] = WARM
+            slot = torch.where(in_warm, wslot, slot)
+        host = ~on_dev & (kind == POOL)
+        kind[host] = EXTRA
+        slot = torch.where(host, hslot, slot)
+        unreadable = host & ((hslot < 0) | encoded)  # on the disk, or warm where the op cannot read it
+        whole = (~unreadable.flatten(1).any(1)).tolist()
+        if self._inside is None:
+            self._inside = self.allowed_all(1, mgr.device.k.shape[3]).view(*self.plan.recs.shape, -1)
+        self._sources = OpSources(kind, slot, host, whole, self.in_place if mgr.warm is not None else (), mgr)
+        return self._sources
+
+    def count_host_reads(self) -> None:
+        """The host pages the layers read where they lie through :meth:`op_sources` counted as
+        :meth:`~tieredkv.runtime.tiered.moves.PageMoves.host_slots_in_place` counts them: one
+        batched copy per layer that read any."""
+        src = self._sources
+        if not src:
+            return
+        read = (self.rec.attended.cpu() & src.host).flatten(1).sum(1).tolist()
+        for layer, n in enumerate(read):
+            if n and src.whole[layer]:
+                self.mgr.count_host_pages(n, like=self.mgr.device.k[layer])
+
     # ------------------------------------------------------------------ the step's end
     def record(self) -> StepRecord:
         """The step's record for the manager (host tensors): the relevance — the observed
@@ -452,6 +514,7 @@ class LayerStep:
         scorer's estimate elsewhere — and the importance kept between steps, mixed from it, the
         position signal and the saliency with ``score_weights``."""
         rec, cache = self.rec, self.cache
+        self.count_host_reads()
         attended, mass = rec.attended, rec.mass
         if not self.measure:
             host = lambda x: None if x is None else x.detach().cpu()  # noqa: E731
@@ -466,3 +529,19 @@ class LayerStep:
         return StepRecord(selected=host(rec.selected), attended=host(attended), relevance=host(relevance),
                           mass=host(mass), importance=host(importance), exact=host(rec.exact), full=rec.full,
                           warm=rec.warm, staged=rec.staged)
+
+
+class OpSources:
+    """Every layer's listed pages as the CPU op reads them (:meth:`LayerStep.op_sources`): kind and
+    slot [L, B, M] (``models.cache`` POOL / WARM / EXTRA: the host pool here), host [L, B, M] bool
+    (read from the host pool), whole [L] (every listed page of the layer has a source)."""
+
+    def __init__(self, kind: torch.Tensor, slot: torch.Tensor, host: torch.Tensor, whole: list[bool], codec, mgr):
+        self.kind, self.slot, self.host, self.whole = kind, slot, host, whole
+        self._codec, self._mgr = codec, mgr
+
+    def warm(self, layer: int) -> dict:
+        """The op's warm-pool arguments for ``layer`` (none where it reads no warm page)."""
+        if not self._codec:
+            return {}
+        return {"warm": self._mgr.warm.data[layer], "warm_codec": self._codec}

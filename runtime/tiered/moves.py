@@ -128,10 +128,8 @@ class PageMoves:
         :meth:`read_pages_into` counts it (``transfers``), not made. ``None`` otherwise (a page on
         the device, read from the warm pool or the disk, or a host pool elsewhere): read them.
         ``slots``: the pages' (device, warm, host) slots where the caller has read them already."""
-        if self.host.k.device != like.device or self.host.k.dtype != like.dtype:
+        if not self.host_in_place(like):
             return None
-        if self._pending:
-            self._settle()
         t = self.table
         if slots is None:
             slots = tuple(col[layer].index_select(0, recs) for col in (t.device_slot, t.warm_slot, t.host_slot))
@@ -140,8 +138,23 @@ class PageMoves:
         warm = (wslot >= 0) & ~torch.as_tensor(exact)
         if bool((off | warm).any()):
             return None
-        self.transfers.count_to_device(len(recs), 2 * len(recs) * like[0].numel() * like.element_size())
+        self.count_host_pages(len(recs), like=like)
         return hslot
+
+    def host_in_place(self, like: torch.Tensor) -> bool:
+        """Whether host pages may be read where they lie in the host pool: it shares the memory and
+        dtype of the device pool (``like``: a tensor of it) — the CPU. Pending moves are settled
+        first, so that the host pool holds what the table says."""
+        if self.host.k.device != like.device or self.host.k.dtype != like.dtype:
+            return False
+        if self._pending:
+            self._settle()
+        return True
+
+    def count_host_pages(self, pages: int, *, like: torch.Tensor) -> None:
+        """Count ``pages`` host pages read where they lie as the batched copy a deployment makes
+        across the link (``like``: one layer of the device pool, [C, KVH, P, D])."""
+        self.transfers.count_to_device(pages, 2 * pages * like[0].numel() * like.element_size())
 
     def _count_h2d(self, pages: int, from_disk: int) -> None:
         """Account ``pages`` pages copied host -> device, ``from_disk`` of them read from the disk tier."""

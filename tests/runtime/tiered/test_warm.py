@@ -321,6 +321,64 @@ WIDE = tiny_model(seed=5, head_dim=64, num_heads=6, num_kv_heads=2)  # head dim 
 
 
 @pytest.mark.parametrize("setup", [
+    dict(),
+    dict(warm_exact_reads=2),  # exact reads: host copies of warm pages
+    dict(attention_budget="40%", selection_aggregate="kv-head"),
+    dict(warm_codec="int2"),  # warm pages decoded into the op's scratch
+    dict(warm_ladder="int2:0.5"),  # warm pages through the reader: every layer on the general path
+    dict(host_budget="10%", disk=True),  # pages on disk: the layers that list one on the general path
+], ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()) or "default")
+def test_step_sources_equal_the_per_layer_path(setup, monkeypatch, tmp_path):
+    """The CPU op's page sources worked out once per step (``LayerStep.op_sources``) give what the
+    per-layer path gives (each layer's attended pages resolved, host pages checked one by one):
+    the same logits bit for bit, the same records and the same link accounting; where pages lie
+    on the disk or warm pages go through the reader, the layers listing them take that path."""
+    from tieredkv.models.cpu_attention import tiered_attention_op
+
+    if tiered_attention_op() is None:
+        pytest.skip("the CPU op could not be built here")
+    setup = dict(setup)
+    if setup.pop("disk", False):
+        setup["disk_path"] = str(tmp_path)
+    tokens = torch.randint(0, 512, (400,), generator=torch.Generator().manual_seed(12))
+    general = []
+    per_layer = LayerStep.attend_in_place
+    monkeypatch.setattr(LayerStep, "attend_in_place", lambda self, layer, *a: (
+        general.append(not (self.op_sources() and self.op_sources().whole[layer])) or per_layer(self, layer, *a)))
+    runs = {}
+    for sources in (True, False):
+        if not sources:
+            monkeypatch.setattr(LayerStep, "op_sources", lambda self: None)
+        general.clear()
+        cfg = TieredKVConfig(policy="lfu-importance", device_budget="50%", warm_fraction=0.5,
+                             **{"warm_codec": "int4", **SMALL, "page_size": 16, **setup})
+        cache = TieredKVCache(WIDE.kv_spec(), cfg, full_tokens=400)
+        sid = cache.add_sequence()
+        prefill(WIDE, cache, sid, tokens[:370], chunk_size=128)
+        records = []
+        record = cache.mgr.record_step
+        monkeypatch.setattr(cache.mgr, "record_step", lambda plan, rec: records.append(rec) or record(plan, rec))
+        logits = prefill(WIDE, cache, sid, tokens[370:], start_pos=370, chunk_size=1, all_logits=True)
+        cache.mgr.check_invariants()
+        st = cache.mgr.transfers.stats
+        runs[sources] = (logits, records, (st.h2d_copies, st.h2d_pages, st.h2d_bytes), sum(general), len(general))
+    (got, got_rec, got_moved, n_general, n), (want, want_rec, want_moved, _, n_want) = runs[True], runs[False]
+    assert n == n_want > 0
+    assert torch.equal(got, want)
+    assert got_moved == want_moved and want_moved[1] > 0  # host pages were read
+    for a, b in zip(got_rec, want_rec, strict=True):
+        for name in ("selected", "attended", "mass", "relevance", "importance", "exact"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None and y is None) or torch.equal(x, y), name
+    if "warm_ladder" in setup:
+        assert n_general == n  # warm pages the op cannot read: every layer through the general path
+    elif "disk_path" in setup:
+        assert n_general > 0  # the layers listing a page on the disk
+    else:
+        assert n_general == 0
+
+
+@pytest.mark.parametrize("setup", [
     dict(codec="int4", page_size=16),  # 4-bit codes read in place by the kernel (AVX-512)
     dict(codec="int2", page_size=16),  # decoded into the task's scratch
     dict(codec="int4", page_size=8),  # scratch: pages of 8 tokens
@@ -348,18 +406,21 @@ def test_decode_op_equals_the_gathering_path(setup, monkeypatch, tmp_path):
     codec, page_size, keep = setup.pop("codec"), setup.pop("page_size"), setup.pop("keep_decoded_warm", False)
     if setup.pop("disk", False):
         setup["disk_path"] = str(tmp_path)  # a directory: each cache makes its own file
-    in_place = []  # per call of the op with pages off the device: whether they were read in the host pool
-    host_slots = PageMoves.host_slots_in_place
-    monkeypatch.setattr(PageMoves, "host_slots_in_place",
-                        lambda *a, **k: (lambda r: in_place.append(r is not None) or r)(host_slots(*a, **k)))
+    in_place, copied = [], []  # host pages read where they lie in the host pool; pages copied by the reader
+    count_host, read_into = PageMoves.count_host_pages, PageMoves.read_pages_into
+    monkeypatch.setattr(PageMoves, "count_host_pages", lambda self, n, **k: in_place.append(n) or count_host(self, n, **k))
+    monkeypatch.setattr(PageMoves, "read_pages_into",
+                        lambda self, layer, recs, *a, **k: copied.append(len(recs)) or read_into(self, layer, recs, *a, **k))
     small = {**SMALL, "page_size": page_size}
     tokens = torch.randint(0, 512, (400,), generator=torch.Generator().manual_seed(11))
     calls = []
     inner = layer_step.tiered_decode_attention
     monkeypatch.setattr(layer_step, "tiered_decode_attention", lambda *a, **k: calls.append(1) or inner(*a, **k))
-    runs = {}
+    runs, moved = {}, {}
     for backend in ("paged", "torch"):
         set_cpu_attention(backend)
+        in_place.clear()
+        copied.clear()
         try:
             cfg = TieredKVConfig(policy="lfu-importance", device_budget="50%", warm_codec=codec, warm_fraction=0.5,
                                  **small, **setup)
@@ -372,14 +433,19 @@ def test_decode_op_equals_the_gathering_path(setup, monkeypatch, tmp_path):
             logits = prefill(WIDE, cache, sid, tokens[370:], start_pos=370, chunk_size=1, all_logits=True)
             cache.mgr.check_invariants()
             runs[backend] = (logits, masses, len(calls))
+            st = cache.mgr.transfers.stats
+            moved[backend] = (st.h2d_copies, st.h2d_pages, st.h2d_bytes, sum(in_place), sum(copied))
         finally:
             set_cpu_attention("paged")
     (got, got_rec, n_op), (want, want_rec, n_after) = runs["paged"], runs["torch"]
     assert n_op > 0 and n_after == n_op  # the op ran on the op's backend only
+    # the op's backend counts the link's copies the gathering path makes, whether it reads host pages
+    # where they lie or copies them
+    assert moved["paged"][:3] == moved["torch"][:3] and moved["torch"][3] == 0
     if "warm_exact_reads" in setup:  # exact reads of warm pages: their host copies, read where they lie
-        assert any(in_place)
+        assert moved["paged"][3] > 0
     if "disk_path" in setup:  # pages on disk: copied by the reader
-        assert not all(in_place)
+        assert moved["paged"][4] > 0
     assert cache.metrics.pages_per_tier["T2w"] > 0 and cache.metrics.warm_reads > 0  # warm pages were attended
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert len(got_rec) == len(want_rec) == 30
