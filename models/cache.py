@@ -154,6 +154,22 @@ def warm_codec_args(spec, kv_heads: int, page_size: int, head_dim: int) -> list[
                                                           for n in ("codes", "scale", "zero")]
 
 
+def encode_warm_pages(k: torch.Tensor, v: torch.Tensor, spec) -> torch.Tensor:
+    """``plugins.codec.encode_pages`` (K, V [N, KVH, P, D] -> uint8 [N, page bytes]), through the
+    CPU op (``models/csrc/kv_codec.cpp``: one pass per page, the same bytes) where it applies:
+    float32 pages on the CPU, every value finite, a codec :func:`warm_codec_args` reads."""
+    from tieredkv.models.cpu_attention import encode_op
+    from tieredkv.plugins.codec import encode_pages, page_bytes
+
+    if k.device.type == "cpu" and k.dtype == v.dtype == torch.float32 and k.dim() == 4 and k.shape[0]:
+        _, kvh, p, d = k.shape
+        args = warm_codec_args(spec, kvh, p, d)
+        op = encode_op() if args is not None else None
+        if op is not None and bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all()):
+            return op(k.contiguous(), v.contiguous(), args, page_bytes(spec, kvh, p, d))
+    return encode_pages(k, v, spec)
+
+
 def tiered_in_place(mgr, device: torch.device) -> list[int] | tuple | None:
     """Whether the tiered cache's decode layers (``mgr``: its ``TierManager``) can attend through
     :func:`tiered_decode_attention`: ``None`` where not (another device or dtype, the op not

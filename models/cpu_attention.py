@@ -36,9 +36,10 @@ import torch
 from tieredkv.errors import ConfigError
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-#: one extension: the attention ops, the tier manager's step accounting and page moves, and the
-#: linear layers' few-row path (``models.cpu_linear``)
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "tier_step.cpp", CSRC / "tier_moves.cpp", CSRC / "small_linear.cpp")
+#: one extension: the attention ops, the tier manager's step accounting and page moves, the
+#: linear layers' few-row path (``models.cpu_linear``) and the warm tier's page encoder
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "tier_step.cpp", CSRC / "tier_moves.cpp", CSRC / "small_linear.cpp",
+           CSRC / "kv_codec.cpp")
 BACKENDS = ("paged", "torch")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-lmvec", "-fopenmp"]  # glibc's vector math (the softmax's exponentials); OpenMP: torch's own runtime
@@ -133,6 +134,12 @@ def relevance_op():
     """ImportanceScore's relevance by share over a layer's page summaries read by record (the
     selection's ranking with the default weights), or ``None`` as :func:`decode_attention_op`."""
     return None if decode_attention_op() is None else torch.ops.tieredkv_cpu.page_relevance
+
+
+def encode_op():
+    """The warm tier's encoder for the integer codecs the decode op reads (plugins.codec's
+    ``encode_pages``, the same bytes), or ``None`` as :func:`decode_attention_op`."""
+    return None if decode_attention_op() is None else torch.ops.tieredkv_cpu.encode_int_pages
 
 
 def select_op():

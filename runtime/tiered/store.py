@@ -377,9 +377,10 @@ class WarmPool(TierPool):
         return _take(self.decoded[0], layers, slots), _take(self.decoded[1], layers, slots)
 
     def write(self, layers: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        from tieredkv.plugins.codec import decode_pages, encode_pages
+        from tieredkv.models.cache import encode_warm_pages
+        from tieredkv.plugins.codec import decode_pages
 
-        data = encode_pages(k.to(self.device), v.to(self.device), self.codec)  # encoded where the warm pages live
+        data = encode_warm_pages(k.to(self.device), v.to(self.device), self.codec)  # encoded where the warm pages live
         _put(self.data, layers, slots, data)
         if self.decoded is not None:
             for store, values in zip(self.decoded, decode_pages(data, self.codec, self.shape)):

@@ -1,6 +1,8 @@
 """The CPU decode-attention op (models/csrc/paged_attention.cpp) against the torch path it
 replaces: the pages gathered, then ``models.cache.attention``."""
 
+import math
+
 import pytest
 import torch
 
@@ -316,3 +318,66 @@ def test_select_pages_op_refuses_bad_arguments():
         op(s, b, torch.ones(2, 4, dtype=torch.bool), torch.ones(2, dtype=torch.long))
     with pytest.raises(RuntimeError, match="attend"):
         op(s, b, b, torch.ones(2))
+
+
+def _awkward_pages(n, kvh, p, d, seed):
+    """K, V [n, kvh, p, d] with the groups an encoder gets wrong: constant (scale 0), all zero with
+    -0.0, tiny (bfloat16 scales near underflow), huge (zero points past float16's range), and values
+    on a code's rounding boundary."""
+    gen = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(n, kvh, p, d, generator=gen) * 3, torch.randn(n, kvh, p, d, generator=gen)
+    k[0, 0, :, 0] = 1.25  # a constant channel
+    k[0, -1, :, 1] = -0.0
+    v[0, 0, 0, : d // 2] = torch.tensor([0.0, -0.0]).repeat(d // 4)
+    if n > 1:
+        k[1] *= 1e-30
+        v[1, :, :1] *= 1e5
+        k[1, 0, :, 2] = -1e5
+    # a group whose codes fall on .5: lo = 0, hi = 15 -> scale 1, values at half steps
+    v[-1, -1, -1, :16] = torch.arange(16) * 1.0
+    v[-1, -1, -1, 1:15] += 0.5
+    return k, v
+
+
+@needs_op
+@pytest.mark.parametrize("codec_name", ["int4", "int4-g16", "int2"])
+@pytest.mark.parametrize("shape", [(1, 1, 16, 64), (3, 3, 16, 64), (5, 2, 8, 32), (2, 3, 7, 48), (2, 2, 8, 40)])
+def test_encode_op_writes_the_reference_bytes(codec_name, shape):
+    """The warm tier's CPU encoder (models/csrc/kv_codec.cpp, through ``encode_warm_pages``) writes
+    plugins.codec.encode_pages' bytes, byte for byte, on awkward groups and shapes (a page size and a
+    head dim off the kernels' fast paths, an odd page size; a head dim not a multiple of 16: the scalar loops)."""
+    from tieredkv.models.cache import encode_warm_pages
+    from tieredkv.models.cpu_attention import encode_op
+    from tieredkv.plugins.codec import CODECS, encode_pages, page_bytes
+
+    spec = CODECS[codec_name]
+    n, kvh, p, d = shape
+    if d % math.gcd(spec.group, d):
+        pytest.skip("value groups must divide the head dim")
+    k, v = _awkward_pages(n, kvh, p, d, seed=sum(shape))
+    args = warm_codec_args(spec, kvh, p, d)
+    assert args is not None
+    got = encode_op()(k, v, args, page_bytes(spec, kvh, p, d))
+    want = encode_pages(k, v, spec)
+    assert got.dtype == torch.uint8 and torch.equal(got, want)
+    assert torch.equal(encode_warm_pages(k, v, spec), want)
+    k[0, 0, 0, 0] = float("nan")  # non-finite input: the reference (sanitize) takes it
+    assert torch.equal(encode_warm_pages(k, v, spec), encode_pages(k, v, spec))
+
+
+@needs_op
+def test_encode_op_refuses_bad_arguments():
+    from tieredkv.models.cpu_attention import encode_op
+    from tieredkv.plugins.codec import CODECS, page_bytes
+
+    k = v = torch.randn(2, 3, 16, 64)
+    args, nb = warm_codec_args(CODECS["int4"], 3, 16, 64), page_bytes(CODECS["int4"], 3, 16, 64)
+    op = encode_op()
+    with pytest.raises(RuntimeError, match="float32"):
+        op(k.double(), v.double(), args, nb)
+    with pytest.raises(RuntimeError, match="shape"):
+        op(k, v[:1], args, nb)
+    with pytest.raises(RuntimeError, match="bits"):
+        op(k, v, [3] + args[1:], nb)
+    with pytest.raises(RuntimeError, match="inside"):
+        op(k, v, args, nb // 2)
