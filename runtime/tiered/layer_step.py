@@ -411,9 +411,12 @@ class LayerStep:
         if src is not None and src.whole[layer]:  # every page where the step's sources say
             page_mask = attended.unsqueeze(1) if heads is None else heads & attended.unsqueeze(1)  # [B, 1 or KVH, M]
             allowed = self._inside.unsqueeze(1) & page_mask.unsqueeze(-1)  # [B, 1 or KVH, M, P]
-            return tiered_decode_attention(q, pool_k, pool_v, src.kind[layer], src.slot[layer],
-                                           allowed.view(B, allowed.shape[1], -1), extra_k=mgr.host.k[layer],
-                                           extra_v=mgr.host.v[layer], **src.warm(layer))
+            got = tiered_decode_attention(q, pool_k, pool_v, src.kind[layer], src.slot[layer],
+                                          allowed.view(B, allowed.shape[1], -1), extra_k=mgr.host.k[layer],
+                                          extra_v=mgr.host.v[layer], **src.warm(layer))
+            if got is not None:
+                src.read.append(layer)  # its host pages are counted at the step's end
+            return got
         on_dev, att = dslot >= 0, attended.cpu()  # (the op runs on the CPU: views, no copies)
         exact = None if exact is None else exact.cpu()
         kind = torch.full((B, M), POOL, dtype=torch.int8)
@@ -496,15 +499,18 @@ class LayerStep:
         return self._sources
 
     def count_host_reads(self) -> None:
-        """The host pages the layers read where they lie through :meth:`op_sources` counted as
-        :meth:`~tieredkv.runtime.tiered.moves.PageMoves.host_slots_in_place` counts them: one
-        batched copy per layer that read any."""
+        """The host pages the layers read where they lie through :meth:`op_sources` (the layers
+        the op ran with them) counted as :meth:`~tieredkv.runtime.tiered.moves.PageMoves.host_slots_in_place`
+        counts them: one batched copy per layer that read any."""
         src = self._sources
         if not src:
             return
-        read = (self.rec.attended.cpu() & src.host).flatten(1).sum(1).tolist()
-        for layer, n in enumerate(read):
-            if n and src.whole[layer]:
+        if not src.read:
+            return
+        layers = torch.tensor(src.read)
+        read = (self.rec.attended.cpu()[layers] & src.host[layers]).flatten(1).sum(1).tolist()
+        for layer, n in zip(src.read, read):
+            if n:
                 self.mgr.count_host_pages(n, like=self.mgr.device.k[layer])
 
     # ------------------------------------------------------------------ the step's end
@@ -534,10 +540,12 @@ class LayerStep:
 class OpSources:
     """Every layer's listed pages as the CPU op reads them (:meth:`LayerStep.op_sources`): kind and
     slot [L, B, M] (``models.cache`` POOL / WARM / EXTRA: the host pool here), host [L, B, M] bool
-    (read from the host pool), whole [L] (every listed page of the layer has a source)."""
+    (read from the host pool), whole [L] (every listed page of the layer has a source), read: the
+    layers the op ran with them (their host pages counted at the step's end)."""
 
     def __init__(self, kind: torch.Tensor, slot: torch.Tensor, host: torch.Tensor, whole: list[bool], codec, mgr):
         self.kind, self.slot, self.host, self.whole = kind, slot, host, whole
+        self.read: list[int] = []
         self._codec, self._mgr = codec, mgr
 
     def warm(self, layer: int) -> dict:
