@@ -1,8 +1,8 @@
 // The warm tier's page encoder for the CPU: plugins/codec.py's encode_pages for the asymmetric
 // integer codecs the decode op reads (int4, int4-g16, int2: keys grouped per channel over a page's
 // tokens, values per token in groups of `vgroup` channels), in one pass per page instead of a
-// dozen torch passes over the whole batch. The same bytes as the reference (tests/plugins/
-// test_codec.py): per group lo = min, hi = max; scale = bfloat16((hi - lo) / levels), 1 where
+// dozen torch passes over the whole batch. The same bytes as the reference (tests/models/
+// test_cpu_attention.py): per group lo = min, hi = max; scale = bfloat16((hi - lo) / levels), 1 where
 // that is not above 0; zero = float16(lo) (saturated to float16's range, -0 as +0); code =
 // round-half-even((x - zero) / scale) clamped to [0, levels]; codes bit-packed little-endian, a
 // section per role and field at the byte offsets of plugins.codec.page_layout.

@@ -403,21 +403,35 @@ class LayerStep:
         CPU), read where it lies in the host pool, the link's copy counted but not made; an
         unselected page is not read at all. Nothing gathered, no compaction: (out, mass [B, M]) as
         :meth:`gather_and_attend`'s, or ``None`` where the op does not apply."""
-        mgr, plan = self.mgr, self.plan
-        B, M = plan.batch, plan.width
+        mgr, B = self.mgr, self.plan.batch
         pool_k, pool_v = mgr.device.k[layer], mgr.device.v[layer]
-        warm = self.in_place
+        att = attended.cpu()  # (the op runs on the CPU: views, no copies)
         src = self.op_sources()
         if src is not None and src.whole[layer]:  # every page where the step's sources say
-            page_mask = attended.unsqueeze(1) if heads is None else heads & attended.unsqueeze(1)  # [B, 1 or KVH, M]
-            allowed = self._inside.unsqueeze(1) & page_mask.unsqueeze(-1)  # [B, 1 or KVH, M, P]
-            got = tiered_decode_attention(q, pool_k, pool_v, src.kind[layer], src.slot[layer],
-                                          allowed.view(B, allowed.shape[1], -1), extra_k=mgr.host.k[layer],
-                                          extra_v=mgr.host.v[layer], **src.warm(layer))
-            if got is not None:
-                src.read.append(layer)  # its host pages are counted at the step's end
-            return got
-        on_dev, att = dslot >= 0, attended.cpu()  # (the op runs on the CPU: views, no copies)
+            kind, slot = src.kind[layer], src.slot[layer]
+            kw = dict(extra_k=mgr.host.k[layer], extra_v=mgr.host.v[layer], **src.warm(layer))
+        else:
+            src = None
+            kind, slot, kw = self.layer_sources(layer, dslot, att, exact)
+        # the keys each query may see: those inside its sequence (every layer's, once per step) of
+        # the pages attended — allowed_keys's mask, without rebuilding the positions per layer
+        page_mask = att.unsqueeze(1) if heads is None else heads.cpu() & att.unsqueeze(1)  # [B, 1 or KVH, M]
+        allowed = self.inside().unsqueeze(1) & page_mask.unsqueeze(-1)  # [B, 1 or KVH, M, P]
+        got = tiered_decode_attention(q, pool_k, pool_v, kind, slot, allowed.view(B, allowed.shape[1], -1), **kw)
+        if got is not None and src is not None:
+            src.read.append(layer)  # its host pages are counted at the step's end
+        return got
+
+    def layer_sources(self, layer: int, dslot: torch.Tensor, att: torch.Tensor,
+                      exact: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """:meth:`attend_in_place`'s general path: (kind, slot [B, M], the op's other sources) of
+        ``layer``'s attended pages ``att``, resolved for this layer alone — the pages off the device
+        checked one by one, read where they lie in the host pool or copied by the manager's reader."""
+        mgr, plan = self.mgr, self.plan
+        B, M = plan.batch, plan.width
+        pool_k = mgr.device.k[layer]
+        warm = self.in_place
+        on_dev = dslot >= 0
         exact = None if exact is None else exact.cpu()
         kind = torch.full((B, M), POOL, dtype=torch.int8)
         slot = dslot.clamp(min=0)
@@ -452,13 +466,14 @@ class LayerStep:
                 mgr.read_pages_into(layer, recs, pool_k.dtype, put, exact=ex)
                 slot[rows, cols] = torch.arange(len(rows))
                 kw.update(extra_k=ek, extra_v=ev)
-        # the keys each query may see: those inside its sequence (every layer's, once per step) of
-        # the pages attended — allowed_keys's mask, without rebuilding the positions per layer
+        return kind, slot, kw
+
+    def inside(self) -> torch.Tensor:
+        """[B, M, P] the keys inside each sequence of its listed pages (:meth:`allowed_all` for one
+        query, once per step)."""
         if self._inside is None:
-            self._inside = self.allowed_all(1, pool_k.shape[2]).view(B, M, -1)
-        page_mask = att.unsqueeze(1) if heads is None else heads.cpu() & att.unsqueeze(1)  # [B, 1 or KVH, M]
-        allowed = self._inside.unsqueeze(1) & page_mask.unsqueeze(-1)  # [B, 1 or KVH, M, P]
-        return tiered_decode_attention(q, pool_k, pool_v, kind, slot, allowed.view(B, allowed.shape[1], -1), **kw)
+            self._inside = self.allowed_all(1, self.mgr.device.k.shape[3]).view(*self.plan.recs.shape, -1)
+        return self._inside
 
     def op_sources(self) -> "OpSources | None":
         """Where every layer's listed pages lie for the CPU op (:meth:`attend_in_place`), worked out
@@ -493,8 +508,6 @@ class LayerStep:
         slot = torch.where(host, hslot, slot)
         unreadable = host & ((hslot < 0) | encoded)  # on the disk, or warm where the op cannot read it
         whole = (~unreadable.flatten(1).any(1)).tolist()
-        if self._inside is None:
-            self._inside = self.allowed_all(1, mgr.device.k.shape[3]).view(*self.plan.recs.shape, -1)
         self._sources = OpSources(kind, slot, host, whole, self.in_place if mgr.warm is not None else (), mgr)
         return self._sources
 
@@ -503,9 +516,7 @@ class LayerStep:
         the op ran with them) counted as :meth:`~tieredkv.runtime.tiered.moves.PageMoves.host_slots_in_place`
         counts them: one batched copy per layer that read any."""
         src = self._sources
-        if not src:
-            return
-        if not src.read:
+        if not src or not src.read:
             return
         layers = torch.tensor(src.read)
         read = (self.rec.attended.cpu()[layers] & src.host[layers]).flatten(1).sum(1).tolist()

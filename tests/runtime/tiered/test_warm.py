@@ -320,6 +320,20 @@ def test_exact_reads_setting():
 WIDE = tiny_model(seed=5, head_dim=64, num_heads=6, num_kv_heads=2)  # head dim 64, 3 query heads per kv head
 
 
+def decode_tail(cfg, tokens, monkeypatch, **cache_kw):
+    """A tiered cache of ``cfg`` on WIDE: the first 370 ``tokens`` prefilled, the rest decoded one at a
+    time -> (the cache, every decode logit, the step records the manager received); invariants checked."""
+    cache = TieredKVCache(WIDE.kv_spec(), cfg, full_tokens=400, **cache_kw)
+    sid = cache.add_sequence()
+    prefill(WIDE, cache, sid, tokens[:370], chunk_size=128)
+    records = []
+    record = cache.mgr.record_step
+    monkeypatch.setattr(cache.mgr, "record_step", lambda plan, rec: records.append(rec) or record(plan, rec))
+    logits = prefill(WIDE, cache, sid, tokens[370:], start_pos=370, chunk_size=1, all_logits=True)
+    cache.mgr.check_invariants()
+    return cache, logits, records
+
+
 @pytest.mark.parametrize("setup", [
     dict(),
     dict(warm_exact_reads=2),  # exact reads: host copies of warm pages
@@ -352,14 +366,7 @@ def test_step_sources_equal_the_per_layer_path(setup, monkeypatch, tmp_path):
         general.clear()
         cfg = TieredKVConfig(policy="lfu-importance", device_budget="50%", warm_fraction=0.5,
                              **{"warm_codec": "int4", **SMALL, "page_size": 16, **setup})
-        cache = TieredKVCache(WIDE.kv_spec(), cfg, full_tokens=400)
-        sid = cache.add_sequence()
-        prefill(WIDE, cache, sid, tokens[:370], chunk_size=128)
-        records = []
-        record = cache.mgr.record_step
-        monkeypatch.setattr(cache.mgr, "record_step", lambda plan, rec: records.append(rec) or record(plan, rec))
-        logits = prefill(WIDE, cache, sid, tokens[370:], start_pos=370, chunk_size=1, all_logits=True)
-        cache.mgr.check_invariants()
+        cache, logits, records = decode_tail(cfg, tokens, monkeypatch)
         st = cache.mgr.transfers.stats
         runs[sources] = (logits, records, (st.h2d_copies, st.h2d_pages, st.h2d_bytes), sum(general), len(general))
     (got, got_rec, got_moved, n_general, n), (want, want_rec, want_moved, _, n_want) = runs[True], runs[False]
@@ -408,9 +415,10 @@ def test_decode_op_equals_the_gathering_path(setup, monkeypatch, tmp_path):
         setup["disk_path"] = str(tmp_path)  # a directory: each cache makes its own file
     in_place, copied = [], []  # host pages read where they lie in the host pool; pages copied by the reader
     count_host, read_into = PageMoves.count_host_pages, PageMoves.read_pages_into
-    monkeypatch.setattr(PageMoves, "count_host_pages", lambda self, n, **k: in_place.append(n) or count_host(self, n, **k))
-    monkeypatch.setattr(PageMoves, "read_pages_into",
-                        lambda self, layer, recs, *a, **k: copied.append(len(recs)) or read_into(self, layer, recs, *a, **k))
+    monkeypatch.setattr(PageMoves, "count_host_pages",
+                        lambda self, n, **k: in_place.append(n) or count_host(self, n, **k))
+    monkeypatch.setattr(PageMoves, "read_pages_into", lambda self, layer, recs, *a, **k: (
+        copied.append(len(recs)) or read_into(self, layer, recs, *a, **k)))
     small = {**SMALL, "page_size": page_size}
     tokens = torch.randint(0, 512, (400,), generator=torch.Generator().manual_seed(11))
     calls = []
@@ -424,14 +432,7 @@ def test_decode_op_equals_the_gathering_path(setup, monkeypatch, tmp_path):
         try:
             cfg = TieredKVConfig(policy="lfu-importance", device_budget="50%", warm_codec=codec, warm_fraction=0.5,
                                  **small, **setup)
-            cache = TieredKVCache(WIDE.kv_spec(), cfg, full_tokens=400, keep_decoded_warm=keep)
-            sid = cache.add_sequence()
-            prefill(WIDE, cache, sid, tokens[:370], chunk_size=128)
-            masses = []
-            record = cache.mgr.record_step
-            monkeypatch.setattr(cache.mgr, "record_step", lambda plan, rec: masses.append(rec) or record(plan, rec))
-            logits = prefill(WIDE, cache, sid, tokens[370:], start_pos=370, chunk_size=1, all_logits=True)
-            cache.mgr.check_invariants()
+            cache, logits, masses = decode_tail(cfg, tokens, monkeypatch, keep_decoded_warm=keep)
             runs[backend] = (logits, masses, len(calls))
             st = cache.mgr.transfers.stats
             moved[backend] = (st.h2d_copies, st.h2d_pages, st.h2d_bytes, sum(in_place), sum(copied))
