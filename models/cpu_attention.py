@@ -116,7 +116,7 @@ set_cpu_manager(os.environ.get("TIEREDKV_CPU_MANAGER", "native"))
 
 def tier_step_ops():
     """The tier manager's ops (``fold_record``, ``fold_end``, ``wanted_pages``, ``pick_pages``,
-    ``lfu_priority``, ``evict_pages``, ``admit_pages``: ``torch.ops.tieredkv_cpu``), or ``None`` when
+    ``lfu_priority``, ``mask_pairs``, ``evict_pages``, ``admit_pages``: ``torch.ops.tieredkv_cpu``), or ``None`` when
     switched off or not built — then the manager runs its torch code."""
     if _STATE["manager"] != "native" or not _native():
         return None

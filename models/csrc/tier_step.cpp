@@ -31,6 +31,9 @@
 // as torch rounds it (runtime/tiered/policies/lfu_importance.py: its torch code, the reference): one
 // pass where the torch code makes six over [L, C] temporaries.
 //
+// mask_pairs: the (layer, record) pairs of a [L, C] mask (torch's nonzero(as_tuple=True), the
+// reference), e.g. the pages wanted_pages wants, given its per-layer counts.
+//
 // Layers are independent (a record's row is layer * C + record): torch's thread pool splits them
 // when there is enough work (layer_grain).
 
@@ -641,6 +644,60 @@ std::tuple<at::Tensor, at::Tensor> pick_pages(at::Tensor prio, at::Tensor counts
   return {layers, recs};
 }
 
+// mask_pairs: the (layer, record) pairs where a [L, C] bool mask is set, layer by layer and within a
+// layer by record — torch's mask.nonzero(as_tuple=True) — in one pass over the mask's 8-byte words
+// (zero words skipped) where torch's nonzero takes ~0.18 ms over an [80, 2k] mask on one thread.
+// `counts` [L], when given, is how many each layer holds (wanted_pages returns it); it is checked.
+std::tuple<at::Tensor, at::Tensor> mask_pairs(at::Tensor mask, c10::optional<at::Tensor> counts) {
+  const int64_t L = mask.size(0), C = mask.dim() == 2 ? mask.size(1) : 0;
+  check_2d(mask, "mask", L, C, at::kBool);
+  const uint8_t* mk = bytes(mask.data_ptr<bool>());
+  std::vector<int64_t> start(L + 1, 0);
+  if (counts.has_value() && counts->defined()) {
+    TORCH_CHECK(counts->device().is_cpu() && counts->dim() == 1 && counts->size(0) == L &&
+                    counts->scalar_type() == at::kLong && counts->is_contiguous(),
+                "counts must be a contiguous CPU tensor of long [", L, "], got ", counts->sizes());
+    const int64_t* n = counts->data_ptr<int64_t>();
+    for (int64_t l = 0; l < L; ++l) {
+      TORCH_CHECK(n[l] >= 0 && n[l] <= C, "counts[", l, "] = ", n[l], " lies outside [0, ", C, "]");
+      start[l + 1] = start[l] + n[l];
+    }
+  } else {
+    for (int64_t l = 0; l < L; ++l) start[l + 1] = start[l] + count_flags(C, mk + l * C);
+  }
+  auto layers = at::empty({start[L]}, at::kLong), recs = at::empty({start[L]}, at::kLong);
+  int64_t *lo = layers.data_ptr<int64_t>(), *ro = recs.data_ptr<int64_t>();
+  std::vector<int64_t> found(L, 0);
+  at::parallel_for(0, L, layer_grain(C), [&](int64_t begin, int64_t end) {
+    for (int64_t l = begin; l < end; ++l) {
+      const uint8_t* row = mk + l * C;
+      int64_t o = start[l];
+      const int64_t cap = start[l + 1];
+      int64_t c = 0;
+      for (; c + 8 <= C; c += 8) {
+        uint64_t word;
+        std::memcpy(&word, row + c, 8);
+        if (!word) continue;
+        for (int64_t j = 0; j < 8; ++j)
+          if (row[c + j]) {
+            if (o < cap) lo[o] = l, ro[o] = c + j;
+            ++o;
+          }
+      }
+      for (; c < C; ++c)
+        if (row[c]) {
+          if (o < cap) lo[o] = l, ro[o] = c;
+          ++o;
+        }
+      found[l] = o - start[l];
+    }
+  });
+  for (int64_t l = 0; l < L; ++l)
+    TORCH_CHECK(found[l] == start[l + 1] - start[l], "counts[", l, "] = ", start[l + 1] - start[l],
+                " but the mask's layer holds ", found[l]);
+  return {layers, recs};
+}
+
 TORCH_LIBRARY_FRAGMENT(tieredkv_cpu, m) {
   m.def("fold_record(Tensor recs, Tensor valid, Tensor t0, Tensor selected, Tensor attended, Tensor? mass, "
         "Tensor? importance, Tensor? relevance, Tensor? exact, Tensor? full, Tensor? warm, Tensor? staged, "
@@ -655,6 +712,7 @@ TORCH_LIBRARY_FRAGMENT(tieredkv_cpu, m) {
   m.def("wanted_pages(Tensor missing, Tensor needed, Tensor staged, Tensor device_slot, Tensor alive) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("lfu_priority(Tensor frequency, Tensor importance, float w_freq, float w_imp) -> Tensor");
+  m.def("mask_pairs(Tensor mask, Tensor? counts) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tieredkv_cpu, CPU, m) {
@@ -663,4 +721,5 @@ TORCH_LIBRARY_IMPL(tieredkv_cpu, CPU, m) {
   m.impl("pick_pages", &pick_pages);
   m.impl("wanted_pages", &wanted_pages);
   m.impl("lfu_priority", &lfu_priority);
+  m.impl("mask_pairs", &mask_pairs);
 }

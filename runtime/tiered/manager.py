@@ -55,6 +55,7 @@ Invariants (the property tests check them after every step):
 from __future__ import annotations
 
 import time
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -68,7 +69,7 @@ from tieredkv.plugins.tiered_attention import PAD_PAGE_INDEX
 from tieredkv.runtime.tiered.accounting import TierAccounting
 from tieredkv.runtime.tiered.budgets import ResolvedBudgets
 from tieredkv.runtime.tiered.config import TieredKVConfig
-from tieredkv.runtime.tiered.masks import any_, count_
+from tieredkv.runtime.tiered.masks import any_, count_, longs, pairs_
 from tieredkv.runtime.tiered.metrics import TierMetrics
 from tieredkv.runtime.tiered.migration import WindowMigration
 from tieredkv.runtime.tiered.moves import PageMoves
@@ -128,6 +129,7 @@ class TierManager(StepFold, PageMoves, WarmTier, WindowMigration, TierAccounting
         self.step_no = 0  # decode steps so far (the clock of recency statistics)
         self.table = PageTable(num_layers, kv_heads, head_dim, self.P, summary_device=self.device.device)
         self._access: StepAccess | None = None
+        self._spare: StepAccess | None = None  # the last step's access record, cleared for the next one
         self._restored = False  # a rollback happened (the move counters no longer balance the pools)
         self._expected: dict[int, int] = {}  # pages each sequence expects to list (``expect``)
 
@@ -322,12 +324,12 @@ class TierManager(StepFold, PageMoves, WarmTier, WindowMigration, TierAccounting
                 filled.append(pages[i])
                 counts.append(min(self.P, n - i * self.P))
         if filled:
-            t.tokens[torch.tensor(filled, dtype=torch.long)] = torch.tensor(counts, dtype=t.tokens.dtype)
+            t.tokens[longs(filled)] = longs(counts)
         t.update_t0(self.config.window.sink_tokens, self.config.window.recent_tokens)
         if new or partial:
             # every page written this step is resident and stays so until the step ends (a partial
             # page may have left the T0 window as the sequence grew, or left with a paused sequence)
-            written = torch.tensor(new + partial, dtype=torch.long)
+            written = longs(new + partial)
             missing = (t.device_slot[:, written] < 0).sum(1)  # per layer (new pages are never resident)
             if bool(missing.any()):
                 want = torch.zeros(self.L, t.capacity, dtype=torch.bool)
@@ -339,17 +341,17 @@ class TierManager(StepFold, PageMoves, WarmTier, WindowMigration, TierAccounting
                         "of a live sequence. Raise the device budget, lower recent_tokens, or run fewer sequences "
                         "at once.")
             if new:
-                recs = torch.tensor(new, dtype=torch.long)
+                recs = longs(new)
                 layers = torch.arange(self.L).repeat_interleave(len(recs))
                 cols = recs.repeat(self.L)
                 t.device_slot[layers, cols] = self.device.alloc(layers, cols)
                 self.metrics.created_pages += len(layers)
             if partial:
-                recs = torch.tensor(partial, dtype=torch.long)
+                recs = longs(partial)
                 layers, cols = (t.device_slot[:, recs] < 0).nonzero(as_tuple=True)
                 self.admit(layers, recs[cols])
                 self._drop_copies(recs)  # their copies off the device are stale once written
-        self._access = StepAccess.empty(self.L, t.capacity)
+        self._access = StepAccess.reuse(self._spare, self.L, t.capacity)
         if self.log_tiers:
             self._access.tier = self.tiers()
         self.metrics.manager_seconds += time.perf_counter() - t_start
@@ -361,11 +363,15 @@ class TierManager(StepFold, PageMoves, WarmTier, WindowMigration, TierAccounting
         pages = [t.seq_pages[s] for s in seqs]
         lengths = tuple(len(p) for p in pages)
         width = max(lengths)
-        recs = torch.tensor([p + p[:1] * (width - len(p)) for p in pages], dtype=torch.long)
-        valid = torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+        rows = array("q")
+        for p in pages:
+            rows.fromlist(p)
+            rows.fromlist(p[:1] * (width - len(p)))
+        recs = longs(rows).view(len(pages), width)
+        valid = torch.arange(width).unsqueeze(0) < longs(lengths).unsqueeze(1)
         index = torch.arange(width).expand_as(recs)  # a sequence lists its pages in logical order
         tokens = torch.where(valid, t.tokens[recs], 0)
-        seq_len = torch.tensor([t.seq_len[s] for s in seqs], dtype=torch.long)
+        seq_len = longs([t.seq_len[s] for s in seqs])
         past = seq_len - num_new
         distance = torch.where(valid, (seq_len - 1).unsqueeze(1) - (index * P + tokens - 1), 0)
         pos = past.unsqueeze(1) + torch.arange(num_new)  # [B, T]
@@ -501,7 +507,7 @@ class TierManager(StepFold, PageMoves, WarmTier, WindowMigration, TierAccounting
             room = self._make_room(need, protect=protect)
             # room for every page wanted (the common case): no ranking; else the most important first
             fits = bool((room >= need).all())
-            layers, recs = want.nonzero(as_tuple=True) if fits else self._highest(want, t.importance, room)
+            layers, recs = pairs_(want, need) if fits else self._highest(want, t.importance, room)
             self.admit(layers, recs, already_streamed=access.streamed[layers, recs])
         self._finish_step(decode, t_start)
 
@@ -509,7 +515,7 @@ class TierManager(StepFold, PageMoves, WarmTier, WindowMigration, TierAccounting
         if decode and self.prefetcher is not None:
             self.prefetcher.between_steps(self)
         self._record_residency()
-        self._access = None
+        self._spare, self._access = self._access, None
         self.metrics.manager_seconds += time.perf_counter() - t_start
 
     # ------------------------------------------------------------------ checkpoint

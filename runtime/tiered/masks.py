@@ -6,12 +6,20 @@ paths: at 70B shapes ([80, 2k] columns, one thread, a random mask) ``where`` cos
 a bool tensor's ``sum()`` widens every element to int64 first (1.15 ms at batch 8's [80, 16k])
 where ``torch.count_nonzero`` takes 0.29 ms — the per-layer counts use it too
 (docs/benchmarks.md §12, "Eleventh pass"). The results are exact — :func:`select_` selects bits,
-computes none — and the same operations run on a GPU.
+computes none — and the same operations run on a GPU. :func:`pairs_` and :func:`longs` are the
+same idea for the step's index lists: a mask's (layer, record) pairs through the extension's
+``mask_pairs`` (torch's ``nonzero`` costs 0.18 ms over an [80, 2k] mask on one thread) and a Python
+list of ints as a tensor through a buffer (``torch.tensor`` of a list: 3.4x slower).
 """
 
 from __future__ import annotations
 
+from array import array
+from typing import Iterable
+
 import torch
+
+from tieredkv.models.cpu_attention import tier_step_ops
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -40,3 +48,19 @@ def select_(out: torch.Tensor, mask: torch.Tensor, values: torch.Tensor) -> torc
     o.bitwise_xor_((o ^ _bits(values)) & mask.to(o.dtype).neg_())
     return out
 
+
+
+def pairs_(mask: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mask.nonzero(as_tuple=True)`` of a [L, R] bool mask: (layers, records), layer by layer,
+    records ascending. ``counts`` [L]: how many each layer holds, when known (checked)."""
+    ops = tier_step_ops() if mask.device.type == "cpu" and mask.dim() == 2 else None
+    if ops is None:
+        return mask.nonzero(as_tuple=True)
+    return ops.mask_pairs(mask.contiguous(), None if counts is None else counts.to(torch.long).contiguous())
+
+
+def longs(values: Iterable[int]) -> torch.Tensor:
+    """``torch.tensor(list(values), dtype=torch.long)`` of Python ints, through a buffer (``values``:
+    also an ``array("q")``, e.g. rows joined with its ``fromlist``, taken as it is)."""
+    buf = values if isinstance(values, array) and values.typecode == "q" else array("q", values)
+    return torch.frombuffer(buf, dtype=torch.long) if len(buf) else torch.zeros(0, dtype=torch.long)

@@ -48,16 +48,16 @@ class PageMoves:
     def _drop_copies(self, recs: torch.Tensor) -> None:
         """Pages about to change give up their copies in the warm, host and disk tiers."""
         self._settle()
-        layers = torch.arange(self.L).repeat_interleave(len(recs))
-        self.metrics.warm_drops += self._drop_warm(layers, recs.repeat(self.L))
-        for pool, slots in self._pools()[2:]:  # host, disk
-            if pool is None or not int(pool.used().sum()):
+        for pool, slots in self._pools()[1:]:  # warm, host, disk
+            if pool is None or not int(pool.used().sum()):  # (an empty tier holds no copy to look up)
                 continue
             sub = slots[:, recs]
             layers, cols = (sub >= 0).nonzero(as_tuple=True)
             if len(layers):
                 pool.release(layers, sub[layers, cols])
                 slots[layers, recs[cols]] = -1
+                if pool is self.warm:
+                    self.metrics.warm_drops += len(layers)
 
     def read_pages(self, layers: int | torch.Tensor, recs: torch.Tensor, dtype: torch.dtype, *,
                    exact: bool | torch.Tensor = False) -> tuple[torch.Tensor, torch.Tensor]:

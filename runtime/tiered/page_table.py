@@ -30,6 +30,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from tieredkv.runtime.tiered.masks import longs
+
 INF = float("inf")
 #: decode steps of access history kept per (layer, record) in ``hist`` (bit i: needed i steps ago)
 HIST_BITS = 62
@@ -188,7 +190,7 @@ class PageTable:
 
     # ------------------------------------------------------------------ sequences
     def records_of(self, seq: int) -> torch.Tensor:
-        return torch.tensor(self.seq_pages[seq], dtype=torch.long)
+        return longs(self.seq_pages[seq])
 
     def add_sequence(self, seq: int, shared: Sequence[int] = ()) -> None:
         """A new sequence; ``shared``: full pages of other sequences it starts with (its first
@@ -226,7 +228,7 @@ class PageTable:
             if pages and seq not in self.paused:
                 hot += hot_records(pages, self.seq_len[seq], self.page_size, sink_tokens, recent_tokens)
         if hot:
-            self.t0[torch.tensor(hot, dtype=torch.long)] = True
+            self.t0[longs(hot)] = True
 
     def hold(self, recs: torch.Tensor) -> None:
         """The prefix index takes one reference on each of ``recs`` (live full pages, not yet cached)."""

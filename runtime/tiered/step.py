@@ -38,6 +38,17 @@ class StepAccess:
         zeros = lambda: torch.zeros(num_layers, num_records)  # noqa: E731
         return cls(flags(), flags(), flags(), zeros(), zeros(), flags(), zeros())
 
+    @classmethod
+    def reuse(cls, spare: "StepAccess | None", num_layers: int, num_records: int) -> "StepAccess":
+        """:meth:`empty`, in ``spare``'s tensors (a finished step's record, zeroed in place: no
+        [L, R] allocation per step) where their shape still fits."""
+        if spare is None or spare.needed.shape != (num_layers, num_records):
+            return cls.empty(num_layers, num_records)
+        for name in ("needed", "missing", "streamed", "mass", "importance", "scored", "relevance"):
+            getattr(spare, name).zero_()
+        spare.tier = spare.spec = None
+        return spare
+
     def columns(self, rows) -> "StepAccess":
         """The record of columns ``rows`` (e.g. one sequence's records)."""
         return StepAccess(*(None if v is None else v[:, rows] for v in vars(self).values()))

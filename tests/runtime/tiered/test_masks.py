@@ -49,3 +49,52 @@ def test_count_equals_sum():
     mask = torch.rand(3, 1000, generator=torch.Generator().manual_seed(1)) < 0.3
     assert count_(mask) == int(mask.sum()) and count_(mask[:, ::3]) == int(mask[:, ::3].sum())
     assert count_(torch.zeros(0, dtype=torch.bool)) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 9), cols=st.integers(0, 70), share=st.floats(0, 1), counted=st.booleans(),
+       seed=st.integers(0, 999))
+def test_pairs_equal_nonzero(rows, cols, share, counted, seed):
+    """The extension's mask_pairs (the CPU path of pairs_) against nonzero: widths across its
+    8-byte words (0 .. 70 records), empty and full layers."""
+    from tieredkv.runtime.tiered.masks import pairs_
+
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(rows, cols, generator=gen) < share
+    if rows > 2:
+        mask[1] = False
+        mask[2] = True
+    layers, recs = pairs_(mask, torch.count_nonzero(mask, dim=1) if counted else None)
+    want = mask.nonzero(as_tuple=True)
+    assert torch.equal(layers, want[0]) and torch.equal(recs, want[1])
+    assert layers.dtype == recs.dtype == torch.long
+
+
+def test_pairs_refuse_counts_that_disagree():
+    import pytest
+
+    from tieredkv.models.cpu_attention import tier_step_ops
+    from tieredkv.runtime.tiered.masks import pairs_
+
+    if tier_step_ops() is None:
+        pytest.skip("the CPU ops are not built here")
+    mask = torch.zeros(3, 20, dtype=torch.bool)
+    mask[1, [0, 7, 8, 19]] = True
+    for counts, layer in (([0, 3, 0], 1), ([0, 5, 0], 1), ([1, 4, 0], 0)):
+        with pytest.raises(RuntimeError, match=rf"counts\[{layer}\]"):
+            pairs_(mask, torch.tensor(counts))
+    with pytest.raises(RuntimeError, match="outside"):
+        pairs_(mask, torch.tensor([0, 21, 0]))
+
+
+def test_longs_equal_torch_tensor():
+    from array import array
+
+    from tieredkv.runtime.tiered.masks import longs
+
+    for values in ([], [7], [3, -1, 2**40, 0], list(range(1000))):
+        got = longs(values)
+        assert got.dtype == torch.long and torch.equal(got, torch.tensor(values, dtype=torch.long))
+    rows = array("q", [1, 2])
+    rows.fromlist([3])
+    assert torch.equal(longs(rows), torch.tensor([1, 2, 3]))

@@ -224,3 +224,25 @@ def test_set_cpu_manager_names_the_backends():
 
     with pytest.raises(ConfigError, match="native"):
         set_cpu_manager("fast")
+
+
+def test_access_record_reused_cleared():
+    """A step's access record is the last step's tensors zeroed in place (no [L, R] allocation per
+    step): every column zero, the optional logs dropped; a table that grew gets new tensors."""
+    mgr = _manager(3, 6, 1)
+    plan = mgr.begin_step((0,), 1)
+    first = mgr._access
+    for v in vars(first).values():
+        if v is not None:
+            v.fill_(1)
+    first.spec = torch.ones(1)
+    selected = torch.ones(3, 1, plan.width, dtype=torch.bool)
+    mgr.record_step(plan, StepRecord(selected=selected, attended=selected, relevance=None,
+                                     importance=torch.rand(3, 1, plan.width), mass=torch.rand(3, 1, plan.width)))
+    mgr.end_step(decode=True)
+    mgr.begin_step((0,), 1)
+    again = mgr._access
+    assert again.needed is first.needed and again.spec is None and again.tier is None
+    assert all(not bool(v.any()) for v in vars(again).values() if v is not None)
+    mgr.end_step(decode=True)
+    assert StepAccess.reuse(again, 3, mgr.table.capacity + 1).needed is not again.needed
