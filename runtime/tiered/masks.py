@@ -49,7 +49,6 @@ def select_(out: torch.Tensor, mask: torch.Tensor, values: torch.Tensor) -> torc
     return out
 
 
-
 def pairs_(mask: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``mask.nonzero(as_tuple=True)`` of a [L, R] bool mask: (layers, records), layer by layer,
     records ascending. ``counts`` [L]: how many each layer holds, when known (checked)."""

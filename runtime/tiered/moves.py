@@ -35,14 +35,11 @@ class PageMoves:
         for pool, slots in self._pools():
             if pool is None:
                 continue
-            sub = slots[:, freed]
-            layers, cols = (sub >= 0).nonzero(as_tuple=True)
-            pool.release(layers, sub[layers, cols])
-            slots[:, freed] = -1
+            n = self._release_copies(pool, slots, freed)
             if pool is self.device:
-                self.metrics.released_pages += len(layers)
+                self.metrics.released_pages += n
             elif pool is self.warm:
-                self.metrics.released_warm_pages += len(layers)
+                self.metrics.released_warm_pages += n
         self.table.release(freed)
 
     def _drop_copies(self, recs: torch.Tensor) -> None:
@@ -51,13 +48,20 @@ class PageMoves:
         for pool, slots in self._pools()[1:]:  # warm, host, disk
             if pool is None or not int(pool.used().sum()):  # (an empty tier holds no copy to look up)
                 continue
-            sub = slots[:, recs]
-            layers, cols = (sub >= 0).nonzero(as_tuple=True)
-            if len(layers):
-                pool.release(layers, sub[layers, cols])
-                slots[layers, recs[cols]] = -1
-                if pool is self.warm:
-                    self.metrics.warm_drops += len(layers)
+            n = self._release_copies(pool, slots, recs)
+            if pool is self.warm:
+                self.metrics.warm_drops += n
+
+    @staticmethod
+    def _release_copies(pool, slots: torch.Tensor, recs: torch.Tensor) -> int:
+        """``pool``'s copies of records ``recs``, in every layer, released (their ``slots`` [L, R]
+        entries set to -1); returns how many there were."""
+        sub = slots[:, recs]
+        layers, cols = (sub >= 0).nonzero(as_tuple=True)
+        if len(layers):
+            pool.release(layers, sub[layers, cols])
+            slots[layers, recs[cols]] = -1
+        return len(layers)
 
     def read_pages(self, layers: int | torch.Tensor, recs: torch.Tensor, dtype: torch.dtype, *,
                    exact: bool | torch.Tensor = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ shorter sequence's row is padded: ``valid`` is False there), R page records.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 
 import torch
 
@@ -44,9 +44,11 @@ class StepAccess:
         [L, R] allocation per step) where their shape still fits."""
         if spare is None or spare.needed.shape != (num_layers, num_records):
             return cls.empty(num_layers, num_records)
-        for name in ("needed", "missing", "streamed", "mass", "importance", "scored", "relevance"):
-            getattr(spare, name).zero_()
-        spare.tier = spare.spec = None
+        for f in fields(cls):  # the columns zeroed, the optional logs (a default: None) dropped
+            if f.default is MISSING:
+                getattr(spare, f.name).zero_()
+            else:
+                setattr(spare, f.name, f.default)
         return spare
 
     def columns(self, rows) -> "StepAccess":
