@@ -302,10 +302,8 @@ void end_row(int64_t C, const bool* nd, const bool* mi, const bool* sc, const fl
 }
 
 // A candidate as one integer: its key above, its record below — the rank order (the lower key
-// first, then the lower record) is the integers' order.
+// first, then the lower record) is the integers' order (the std algorithms below compare with `<`).
 using Candidate = uint64_t;
-
-inline bool before(Candidate a, Candidate b) { return a < b; }
 
 // A float's rank as an unsigned key, on its bits (this file builds with -ffast-math, which may
 // drop NaN and infinity checks on floats): -0 as +0, NaN as +inf.
@@ -327,6 +325,26 @@ inline void candidate_flags(int64_t n, const uint8_t* __restrict__ cand, const u
                             const uint8_t* __restrict__ hot, const uint8_t* __restrict__ kept,
                             uint8_t* __restrict__ out) {
   for (int64_t i = 0; i < n; ++i) out[i] = cand[i] & held[i] & (hot[i] ^ 1) & (kept[i] ^ 1);
+}
+
+// The positions `base + j` of the set flags ok[j] (bytes 0 / 1, j < n) appended to idx[at..]; returns the
+// new end. Eight flags at a time as one word: a word of no candidate costs one test (candidates are
+// sparse: the wanted pages, the unprotected resident ones), a set flag one bit scan.
+inline int64_t compact(int64_t n, const uint8_t* ok, int64_t base, int64_t* idx, int64_t at) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    uint64_t w;
+    std::memcpy(&w, ok + j, sizeof w);
+    while (w) {
+      idx[at++] = base + j + (__builtin_ctzll(w) >> 3);
+      w &= w - 1;  // (a flag is 0 or 1: its lowest bit is its only one)
+    }
+  }
+  for (; j < n; ++j) {
+    idx[at] = base + j;
+    at += ok[j];
+  }
+  return at;
 }
 
 // One layer's picks of pick_pages into `out` (records, by rank).
@@ -358,10 +376,7 @@ void pick_layer(int64_t l, int64_t C, int64_t count, bool largest, const float* 
     if (rs) resident_flags(k, rs + c, held);
     candidate_flags(k, cd ? bytes(cd + c) : kOnes.data(), rs ? held : kOnes.data(),
                     t0 ? bytes(t0 + c) : kZeros.data(), pr ? bytes(pr + c) : kZeros.data(), ok);
-    for (int64_t j = 0; j < k; ++j) {
-      idx[n] = c + j;
-      n += ok[j];
-    }
+    n = compact(k, ok, c, idx.data(), n);
   }
   // a few picks among many candidates: the best `count` kept in a heap as the candidates go by (most
   // are compared with its top only; a heap of hundreds costs more in replacements than a selection);
@@ -375,21 +390,21 @@ void pick_layer(int64_t l, int64_t C, int64_t count, bool largest, const float* 
       pool.push_back(c);
     } else if (static_cast<int64_t>(pool.size()) < count) {
       pool.push_back(c);
-      std::push_heap(pool.begin(), pool.end(), before);  // a max-heap: the worst kept on top
-    } else if (before(c, pool.front())) {
-      std::pop_heap(pool.begin(), pool.end(), before);
+      std::push_heap(pool.begin(), pool.end());  // a max-heap: the worst kept on top
+    } else if (c < pool.front()) {
+      std::pop_heap(pool.begin(), pool.end());
       pool.back() = c;
-      std::push_heap(pool.begin(), pool.end(), before);
+      std::push_heap(pool.begin(), pool.end());
     }
   }
   if (few) {
-    std::sort_heap(pool.begin(), pool.end(), before);
+    std::sort_heap(pool.begin(), pool.end());
     for (const Candidate c : pool) out.push_back(static_cast<int64_t>(c & 0xffffffffu));
     return;
   }
   const int64_t k = std::min<int64_t>(count, static_cast<int64_t>(pool.size()));
-  if (k < static_cast<int64_t>(pool.size())) std::nth_element(pool.begin(), pool.begin() + k, pool.end(), before);
-  std::sort(pool.begin(), pool.begin() + k, before);
+  if (k < static_cast<int64_t>(pool.size())) std::nth_element(pool.begin(), pool.begin() + k, pool.end());
+  std::sort(pool.begin(), pool.begin() + k);
   for (int64_t i = 0; i < k; ++i) out.push_back(static_cast<int64_t>(pool[i] & 0xffffffffu));
 }
 
