@@ -155,6 +155,13 @@ def small_linear_op():
     return torch.ops.tieredkv_cpu.small_linear if _native() else None
 
 
+def panel_linear_op():
+    """The linear layers' product for more rows from panel-packed weights (``panel_linear``: x [M, K]
+    against [ceil(N / 16), K, 16]), or ``None`` when the extension is not built here or was built
+    without AVX-512. Switched with the linear layers' backend, as :func:`small_linear_op`."""
+    return torch.ops.tieredkv_cpu.panel_linear if _native() and torch.ops.tieredkv_cpu.panel_linear_native() else None
+
+
 def prepare(device: torch.device | str, dtype: torch.dtype, log=None) -> None:
     """Build (or load) the op before the first decode step where a model will use it (float32
     on the CPU), so the build's time is not a decode step's; says so through ``log`` when that

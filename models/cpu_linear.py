@@ -18,7 +18,15 @@ decode step's linear layers at one to four rows (docs/benchmarks.md §12, "Sixte
 sums differ from oneDNN's in rounding (both within float32 rounding of ``F.linear``), and each
 output is the same whatever the other rows.
 
-The price is a second copy of the weights (the packed one). ``set_cpu_linear("torch")`` or
+From five to ``PANEL_ROWS`` rows (decode at a larger batch) the extension's ``panel_linear`` runs
+instead, on AVX-512 CPUs: the weights packed once more, into panels of 16 output columns
+([ceil(N / 16), K, 16]), eight input rows times three panels in registers, the weights streamed
+once per step — 1.1-1.6x faster than oneDNN's packed GEMM per projection at 8-64 rows here
+(docs/benchmarks.md §12, "Nineteenth pass"). Each of its outputs accumulates over K in order: the
+same value whatever the other rows (oneDNN's is not).
+
+The price is a second copy of the weights (the packed one; a third where both the panel pack and
+oneDNN's are used: decode at more than four rows and prefill through one model). ``set_cpu_linear("torch")`` or
 ``TIEREDKV_CPU_LINEAR=torch`` turns it off; other devices and dtypes, autograd and tracing
 always take ``F.linear``.
 """
@@ -37,6 +45,8 @@ BACKENDS = ("onednn", "torch")
 _STATE = {"backend": "onednn"}
 #: input rows up to which the fast path runs the extension's row-major product (``small_linear``)
 SMALL_ROWS = 4
+#: ... and from there up to which its product from panel-packed weights (``panel_linear``)
+PANEL_ROWS = 64
 _SMALL: dict = {}
 
 
@@ -47,6 +57,25 @@ def _small_op():
 
         _SMALL["op"] = small_linear_op()
     return _SMALL["op"]
+
+
+def _panel_op():
+    """``models/csrc/small_linear.cpp``'s ``panel_linear``, or ``None`` where it cannot run here."""
+    if "panel" not in _SMALL:
+        from tieredkv.models.cpu_attention import panel_linear_op
+
+        _SMALL["panel"] = panel_linear_op()
+    return _SMALL["panel"]
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """Weights w [N, K] as ``panel_linear`` reads them: [ceil(N / 16), K, 16], row n in panel n // 16,
+    lane n % 16, the last panel's missing rows zero."""
+    n, k = w.shape
+    nb = -(-n // 16)
+    padded = w.new_zeros(nb * 16, k)
+    padded[:n] = w
+    return padded.view(nb, 16, k).transpose(1, 2).contiguous()
 
 
 def _onednn_available() -> bool:
@@ -86,11 +115,12 @@ class PackedLinears:
         self.linears = linears
         self._key = None
         self._packed = None
+        self._panels = None
         self._sizes: list[int] = []
         self._weights: list[torch.Tensor] = []
 
     def __getstate__(self):
-        return {"linears": self.linears, "_key": None, "_packed": None, "_sizes": [], "_weights": []}
+        return {"linears": self.linears, "_key": None, "_packed": None, "_panels": None, "_sizes": [], "_weights": []}
 
     def _pack(self, x: torch.Tensor) -> torch.Tensor | None:
         """The packed weights when the oneDNN path applies to ``x`` (repacked when a weight was
@@ -106,7 +136,7 @@ class PackedLinears:
                 return None
             w = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
             self._packed, self._key = torch.ops.mkldnn._reorder_linear_weight(w, None), key
-            self._sizes, self._weights = [w.shape[0] for w in weights], weights
+            self._sizes, self._weights, self._panels = [w.shape[0] for w in weights], weights, None
         if (torch.is_grad_enabled() and any(w.requires_grad for w in weights)) or torch.jit.is_tracing() \
                 or torch.compiler.is_compiling():
             return None
@@ -128,6 +158,11 @@ class PackedLinears:
         rows, small = x.numel() // x.shape[-1], _small_op()
         if rows <= SMALL_ROWS and small is not None and all(w.is_contiguous() for w in self._weights):
             return small(x.reshape(rows, x.shape[-1]).contiguous(), self._weights).view(*x.shape[:-1], -1)
+        if rows <= PANEL_ROWS and (panel := _panel_op()) is not None:
+            if self._panels is None:  # (packed on first use: a model that never decodes in batches has none)
+                self._panels = pack_panels(torch.cat([w.detach() for w in self._weights]))
+            n = sum(self._sizes)
+            return panel(x.reshape(rows, x.shape[-1]).contiguous(), self._panels, n).view(*x.shape[:-1], n)
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

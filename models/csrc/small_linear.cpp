@@ -11,6 +11,15 @@
 //
 // Float32. Built with the decode-attention op (models/cpu_attention.py); with AVX-512 (and K a
 // multiple of 16) the loops below, otherwise loops the compiler vectorizes.
+//
+// panel_linear: the same product for more rows (decode at a larger batch), from the weights packed
+// once into panels of 16 output columns, [ceil(N / 16), K, 16] (models/cpu_linear.py packs them):
+// eight input rows times three panels of accumulators (24 of AVX-512's 32 registers), each weight
+// vector loaded once per eight rows and each input element broadcast once per three panels, the
+// panels' weights streamed from memory once and read again from L2 for the next eight rows. Each
+// output accumulates over K in order in one lane: the same value whatever the other rows.
+// AVX-512 only (panel_linear_native() says whether it was built so; without it the caller keeps
+// oneDNN).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -81,6 +90,53 @@ RowsDot pick(int64_t R) {
   }
 }
 
+
+#if defined(__AVX512F__)
+constexpr int kPanel = 16;      // output columns per panel
+constexpr int kPanelRows = 8;   // input rows per micro-kernel call
+constexpr int64_t kGroup = 3;   // panels per micro-kernel call (and per unit of parallel work)
+
+// y[r * ldy + n] for R input rows x [R, K] and P panels from panel p0 of `wp` ([NB, K, 16]); n < N.
+template <int R, int P>
+void panel_kernel(const float* x, int64_t K, const float* wp, int64_t p0, float* y, int64_t ldy, int64_t N) {
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  const float* w[P];
+  for (int p = 0; p < P; ++p) w[p] = wp + (p0 + p) * K * kPanel;
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[P];
+    for (int p = 0; p < P; ++p) wv[p] = _mm512_loadu_ps(w[p] + k * kPanel);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * K + k]);
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xb, wv[p], acc[r][p]);
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    const int64_t n0 = (p0 + p) * kPanel, left = N - n0;
+    const __mmask16 m = left >= kPanel ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + n0, m, acc[r][p]);
+  }
+}
+
+// The last rows (fewer than kPanelRows): the kernel for exactly `left` of them.
+template <int P, int R>
+void panel_tail(int64_t left, const float* x, int64_t K, const float* wp, int64_t p0, float* y, int64_t ldy,
+                int64_t N) {
+  if constexpr (R > 0) {
+    if (left == R) return panel_kernel<R, P>(x, K, wp, p0, y, ldy, N);
+    panel_tail<P, R - 1>(left, x, K, wp, p0, y, ldy, N);
+  }
+}
+
+// Every row of x [M, K] against P panels from p0: eight rows at a time, then the rest.
+template <int P>
+void panel_rows(int64_t M, const float* x, int64_t K, const float* wp, int64_t p0, float* y, int64_t N) {
+  int64_t r = 0;
+  for (; r + kPanelRows <= M; r += kPanelRows) panel_kernel<kPanelRows, P>(x + r * K, K, wp, p0, y + r * N, N, N);
+  if (r < M) panel_tail<P, kPanelRows - 1>(M - r, x + r * K, K, wp, p0, y + r * N, N, N);
+}
+#endif
 }  // namespace
 
 // x [R, K] float32 contiguous, R in [1, 4]; weights: [N_i, K] float32 contiguous. Returns
@@ -120,10 +176,52 @@ at::Tensor small_linear(at::Tensor x, at::TensorList weights) {
   return out;
 }
 
+// x [M, K] float32 contiguous; packed [NB, K, 16] float32 contiguous (the weights' rows n in panel
+// n / 16, lane n % 16; the last panel's missing rows zero); N: the weights' rows (NB = ceil(N / 16)).
+// Returns [M, N].
+at::Tensor panel_linear(at::Tensor x, at::Tensor packed, int64_t N) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous [M, K] float32 CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kFloat && packed.dim() == 3 &&
+                  packed.is_contiguous() && packed.size(1) == K && packed.size(2) == 16,
+              "packed must be a contiguous [ceil(N / 16), ", K, ", 16] float32 CPU tensor, got ", packed.sizes());
+  const int64_t NB = packed.size(0);
+  TORCH_CHECK(N > (NB - 1) * 16 && N <= NB * 16, "N = ", N, " does not fit ", NB, " panels of 16");
+  auto y = at::empty({M, N}, x.options());
+#if defined(__AVX512F__)
+  const float *xp = x.data_ptr<float>(), *wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t groups = (NB + kGroup - 1) / kGroup;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t p0 = g * kGroup, np = std::min(kGroup, NB - p0);
+      if (np == 3) panel_rows<3>(M, xp, K, wp, p0, yp, N);
+      else if (np == 2) panel_rows<2>(M, xp, K, wp, p0, yp, N);
+      else panel_rows<1>(M, xp, K, wp, p0, yp, N);
+    }
+  });
+#else
+  TORCH_CHECK(false, "panel_linear was built without AVX-512 (panel_linear_native() is false)");
+#endif
+  return y;
+}
+
+bool panel_linear_native() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(tieredkv_cpu, m) {
   m.def("small_linear(Tensor x, Tensor[] weights) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("panel_linear_native() -> bool", &panel_linear_native);
 }
 
 TORCH_LIBRARY_IMPL(tieredkv_cpu, CPU, m) {
   m.impl("small_linear", &small_linear);
+  m.impl("panel_linear", &panel_linear);
 }

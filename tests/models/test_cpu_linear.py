@@ -142,3 +142,72 @@ def test_packed_layers_take_small_linear_up_to_four_rows():
                 assert torch.equal(got, SMALL(x.reshape(rows, 64), [lin.weight for lin in layers]).view(*shape, -1))
             torch.testing.assert_close(got, torch.cat([F.linear(x, lin.weight) for lin in layers], -1),
                                        rtol=1e-5, atol=1e-5)
+
+
+PANEL = cpu_linear._panel_op()
+needs_panel = pytest.mark.skipif(PANEL is None, reason="the CPU extension could not be built here, or without AVX-512")
+
+
+@needs_panel
+@pytest.mark.parametrize("k", [576, 37, 7])
+@pytest.mark.parametrize("n", [1, 16, 47, 200])  # one lane, one panel, a partial last panel, groups of three and a rest
+def test_panel_linear_matches_f_linear_and_each_row_alone(k, n):
+    """Rows 1-21 (eight-row blocks and every remainder), any K, N on and off the 16-column panels:
+    the exact products to float32 rounding (1e-6 of the sum of |w x|), and each row's output the
+    same bit for bit whatever rows come with it and whatever the thread count."""
+    gen = torch.Generator().manual_seed(k * 1000 + n)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(21, k, generator=gen)
+    packed = cpu_linear.pack_panels(w)
+    assert packed.shape == (-(-n // 16), k, 16)
+    want = F.linear(x.double(), w.double())
+    bound = 1e-6 * F.linear(x.abs().double(), w.abs().double())
+    threads = torch.get_num_threads()
+    try:
+        for rows in (1, 3, 8, 9, 16, 21):
+            got = PANEL(x[:rows].contiguous(), packed, n)
+            assert got.shape == (rows, n)
+            assert bool(((got.double() - want[:rows]).abs() <= bound[:rows]).all())
+            for i in range(rows):
+                assert torch.equal(got[i], PANEL(x[i:i + 1].contiguous(), packed, n)[0])
+        torch.set_num_threads(1)
+        assert torch.equal(PANEL(x, packed, n), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_panel
+def test_panel_linear_refuses_bad_arguments():
+    packed = cpu_linear.pack_panels(torch.randn(40, 16))  # 3 panels
+    with pytest.raises(RuntimeError, match="does not fit 3 panels"):
+        PANEL(torch.randn(2, 16), packed, 48 + 1)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        PANEL(torch.randn(2, 16), packed, 32)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        PANEL(torch.randn(2, 15), packed, 40)
+    with pytest.raises(RuntimeError, match="float32"):
+        PANEL(torch.randn(2, 16).double(), packed, 40)
+
+
+@needs_panel
+def test_packed_layers_take_panel_linear_from_five_rows_to_panel_rows():
+    """From five rows to PANEL_ROWS the joint output is panel_linear's over the layers' weights
+    packed together (packed on first use, again after a weight changes), beyond it oneDNN's;
+    all F.linear's to rounding."""
+    torch.manual_seed(2)
+    layers = [nn.Linear(64, n, bias=False) for n in (40, 24)]
+    packed = PackedLinears(*layers)
+    top = cpu_linear.PANEL_ROWS
+    with torch.no_grad():
+        for shape in [(5, 1), (3, 7), (top, 1), (top + 1, 1)]:
+            x = torch.randn(*shape, 64)
+            got = packed.joint(x)
+            rows = x.numel() // 64
+            weights = torch.cat([lin.weight for lin in layers])
+            if cpu_linear.SMALL_ROWS < rows <= top:
+                want = PANEL(x.reshape(rows, 64), cpu_linear.pack_panels(weights), 64)
+                assert torch.equal(got, want.view(*shape, -1))
+            torch.testing.assert_close(got, F.linear(x, weights), rtol=1e-5, atol=1e-5)
+        layers[0].weight.mul_(3)
+        x = torch.randn(6, 64)
+        torch.testing.assert_close(packed(x)[0], F.linear(x, layers[0].weight), rtol=1e-5, atol=1e-5)
