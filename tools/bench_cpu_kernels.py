@@ -3,8 +3,8 @@
     python tools/bench_cpu_kernels.py [--threads 2] [--batches 1 16 64] [--cold] [--out results/cpu-kernels.json]
 
 * linear: ``F.linear`` (MKL's sgemm) against the linear layers of ``models/cpu_linear.py``
-  ("ours": oneDNN's packed GEMM, or ``small_linear`` at one to four rows; the packed GEMM alone
-  in its own column), for SmolLM2's projections (q/k/v fused 960 x 576, o 576 x 576,
+  ("ours": ``small_linear`` at one to four rows, ``panel_linear`` at five to 64 on AVX-512 CPUs,
+  oneDNN's packed GEMM beyond; the packed GEMM alone in its own column), for SmolLM2's projections (q/k/v fused 960 x 576, o 576 x 576,
   gate/up fused 3,072 x 576, down 576 x 1,536, the output projection 49,152 x 576), float32
   random weights, ``batch`` rows;
 * attention: one decode step of one layer — the pages gathered, then ``models.cache.attention``
