@@ -21,7 +21,7 @@ output is the same whatever the other rows.
 From five to ``PANEL_ROWS`` rows (decode at a larger batch) the extension's ``panel_linear`` runs
 instead, on AVX-512 CPUs: the weights packed once more, into panels of 16 output columns
 ([ceil(N / 16), K, 16]), eight input rows times three panels in registers, the weights streamed
-once per step — 1.1-1.6x faster than oneDNN's packed GEMM per projection at 8-64 rows here
+once per step — 1.0-1.4x oneDNN's packed GEMM's speed per projection at 8-64 rows here
 (docs/benchmarks.md §12, "Nineteenth pass"). Each of its outputs accumulates over K in order: the
 same value whatever the other rows (oneDNN's is not).
 
