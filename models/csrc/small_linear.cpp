@@ -17,7 +17,8 @@
 // eight input rows times three panels of accumulators (24 of AVX-512's 32 registers), each weight
 // vector loaded once per eight rows and each input element broadcast once per three panels, the
 // panels' weights streamed from memory once and read again from L2 for the next eight rows. Each
-// output accumulates over K in order in one lane: the same value whatever the other rows.
+// output sums K in blocks of 64 (each block in order in one lane, the blocks' sums added in order:
+// rounding as a blocked GEMM's, not a 576-term chain's), the same value whatever the other rows.
 // AVX-512 only (panel_linear_native() says whether it was built so; without it the caller keeps
 // oneDNN).
 
@@ -95,27 +96,35 @@ RowsDot pick(int64_t R) {
 constexpr int kPanel = 16;      // output columns per panel
 constexpr int kPanelRows = 8;   // input rows per micro-kernel call
 constexpr int64_t kGroup = 3;   // panels per micro-kernel call (and per unit of parallel work)
+constexpr int64_t kBlock = 64;  // K summed in blocks of this many, the blocks' sums added in order
 
 // y[r * ldy + n] for R input rows x [R, K] and P panels from panel p0 of `wp` ([NB, K, 16]); n < N.
 template <int R, int P>
 void panel_kernel(const float* x, int64_t K, const float* wp, int64_t p0, float* y, int64_t ldy, int64_t N) {
-  __m512 acc[R][P];
+  __m512 acc[R][P], total[R][P];  // (total: in memory, added to once per block of K)
   for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+    for (int p = 0; p < P; ++p) total[r][p] = _mm512_setzero_ps();
   const float* w[P];
   for (int p = 0; p < P; ++p) w[p] = wp + (p0 + p) * K * kPanel;
-  for (int64_t k = 0; k < K; ++k) {
-    __m512 wv[P];
-    for (int p = 0; p < P; ++p) wv[p] = _mm512_loadu_ps(w[p] + k * kPanel);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * K + k]);
-      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xb, wv[p], acc[r][p]);
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+    const int64_t k1 = std::min(K, k0 + kBlock);
+    for (int64_t k = k0; k < k1; ++k) {
+      __m512 wv[P];
+      for (int p = 0; p < P; ++p) wv[p] = _mm512_loadu_ps(w[p] + k * kPanel);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xb = _mm512_set1_ps(x[r * K + k]);
+        for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xb, wv[p], acc[r][p]);
+      }
     }
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < P; ++p) total[r][p] = _mm512_add_ps(total[r][p], acc[r][p]);
   }
   for (int p = 0; p < P; ++p) {
     const int64_t n0 = (p0 + p) * kPanel, left = N - n0;
     const __mmask16 m = left >= kPanel ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + n0, m, acc[r][p]);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + n0, m, total[r][p]);
   }
 }
 
