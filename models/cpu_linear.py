@@ -22,13 +22,13 @@ From five to ``PANEL_ROWS`` rows (decode at a larger batch) the extension's ``pa
 instead, on AVX-512 CPUs: the weights packed once more, into panels of 16 output columns
 ([ceil(N / 16), K, 16]), eight input rows times three panels in registers, the weights streamed
 once per step — 1.0-1.4x oneDNN's packed GEMM's speed per projection at 8-64 rows here
-(docs/benchmarks.md §12, "Nineteenth pass"). Each of its outputs accumulates over K in order: the
-same value whatever the other rows (oneDNN's is not).
+(docs/benchmarks.md §12, "Nineteenth pass"). Each of its outputs sums K in blocks of 64, the blocks'
+sums added in order: the same value whatever the other rows (oneDNN's is not).
 
 The price is a second copy of the weights (the packed one; a third where both the panel pack and
-oneDNN's are used: decode at more than four rows and prefill through one model). ``set_cpu_linear("torch")`` or
-``TIEREDKV_CPU_LINEAR=torch`` turns it off; other devices and dtypes, autograd and tracing
-always take ``F.linear``.
+oneDNN's are used: decode at more than four rows and prefill through one model).
+``set_cpu_linear("torch")`` or ``TIEREDKV_CPU_LINEAR=torch`` turns all three off; other devices and
+dtypes, autograd and tracing always take ``F.linear``.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@
 
 * linear: ``F.linear`` (MKL's sgemm) against the linear layers of ``models/cpu_linear.py``
   ("ours": ``small_linear`` at one to four rows, ``panel_linear`` at five to 64 on AVX-512 CPUs,
-  oneDNN's packed GEMM beyond; the packed GEMM alone in its own column), for SmolLM2's projections (q/k/v fused 960 x 576, o 576 x 576,
-  gate/up fused 3,072 x 576, down 576 x 1,536, the output projection 49,152 x 576), float32
-  random weights, ``batch`` rows;
+  oneDNN's packed GEMM beyond; the packed GEMM alone in its own column), for SmolLM2's
+  projections (q/k/v fused 960 x 576, o 576 x 576, gate/up fused 3,072 x 576, down 576 x 1,536,
+  the output projection 49,152 x 576), float32 random weights, ``batch`` rows;
 * attention: one decode step of one layer — the pages gathered, then ``models.cache.attention``
   (the torch path) — against the pool-reading op of ``models/cpu_attention.py``, ``batch``
   sequences of 576 keys in 16-token pages scattered over the pool, 9 query / 3 kv heads, head

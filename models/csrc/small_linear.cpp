@@ -91,7 +91,6 @@ RowsDot pick(int64_t R) {
   }
 }
 
-
 #if defined(__AVX512F__)
 constexpr int kPanel = 16;      // output columns per panel
 constexpr int kPanelRows = 8;   // input rows per micro-kernel call

@@ -149,7 +149,7 @@ needs_panel = pytest.mark.skipif(PANEL is None, reason="the CPU extension could 
 
 
 @needs_panel
-@pytest.mark.parametrize("k", [576, 37, 7])
+@pytest.mark.parametrize("k", [576, 100, 37, 7])  # whole blocks of 64, a partial last block, less than one
 @pytest.mark.parametrize("n", [1, 16, 47, 200])  # one lane, one panel, a partial last panel, groups of three and a rest
 def test_panel_linear_matches_f_linear_and_each_row_alone(k, n):
     """Rows 1-21 (eight-row blocks and every remainder), any K, N on and off the 16-column panels:
