@@ -130,6 +130,14 @@ def tiered_attention_op():
     return None if decode_attention_op() is None else torch.ops.tieredkv_cpu.tiered_decode_attention
 
 
+def layer_op():
+    """One decode layer of the tiered cache in one call — the relevance, the selection, the tiered
+    op and the layer's record written in place (``models/csrc/paged_attention.cpp``,
+    ``tiered_decode_layer``; the same results as the three ops called apart) — or ``None`` as
+    :func:`decode_attention_op`."""
+    return None if decode_attention_op() is None else torch.ops.tieredkv_cpu.tiered_decode_layer
+
+
 def relevance_op():
     """ImportanceScore's relevance by share over a layer's page summaries read by record (the
     selection's ranking with the default weights), or ``None`` as :func:`decode_attention_op`."""

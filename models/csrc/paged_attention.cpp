@@ -31,6 +31,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -200,12 +201,29 @@ void warm_value_row(const Task& t, const uint8_t* page, int64_t p, float* out) {
   }
 }
 
+// Ask for the bytes of page m's kv head t.h if it is held encoded (its key codes, scales and zero
+// points, and its value codes: what warm_logits and warm_value_row read).
+template <int D>
+inline void prefetch_warm(const Task& t, int64_t m) {
+  if (m >= t.M || !t.wp || !t.wp[m]) return;
+  const WarmCodec& c = *t.codec;
+  const uint8_t* page = t.wp[m];
+  for (int64_t b = 0; b < D * 8; b += 64) __builtin_prefetch(page + c.k_codes + t.h * D * 8 + b);
+  for (int64_t b = 0; b < D * 2; b += 64) {
+    __builtin_prefetch(page + c.k_scale + t.h * D * 2 + b);
+    __builtin_prefetch(page + c.k_zero + t.h * D * 2 + b);
+  }
+  for (int64_t b = 0; b < t.P * D / 2; b += 64) __builtin_prefetch(page + c.v_codes + t.h * t.P * D / 2 + b);
+}
+constexpr int64_t kWarmAhead = 2;  // pages
+
 // The logits of keys [s0, s0 + 16) of one task.
 template <int G, int D>
 void logits_block(const Task& t, int64_t s0) {
   constexpr int C = D / 16;
   alignas(64) float tmp[16];
   const int64_t n = std::min<int64_t>(16, t.S - s0);
+  if (t.wp) prefetch_warm<D>(t, s0 / 16 + kWarmAhead);
   if (std::none_of(t.allowed + s0, t.allowed + s0 + n, [](bool a) { return a; })) {
     for (int g = 0; g < G; ++g) std::fill(t.probs + g * t.S + s0, t.probs + g * t.S + s0 + n, kMasked);
     return;  // a page not attended (not selected): not read
@@ -596,6 +614,43 @@ std::tuple<at::Tensor, at::Tensor> tiered_decode_attention(at::Tensor q, at::Ten
   return {out, mass};
 }
 
+namespace {
+
+// page_relevance's sums: for the G query heads q [G, D] of one kv head, sum_d max(q_d lo_d, q_d hi_d)
+// of one page's summary rows lo, hi [D] into out[g * stride]. The heads' sums run side by side over
+// d (one pass over the rows; the compiler vectorizes each over d).
+template <int G>
+void bounds_fixed(const float* q, const float* lo, const float* hi, int64_t D, int64_t, float* out, int64_t stride) {
+  float acc[G] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const float l = lo[d], u = hi[d];
+    for (int g = 0; g < G; ++g) acc[g] += std::max(q[g * D + d] * l, q[g * D + d] * u);
+  }
+  for (int g = 0; g < G; ++g) out[g * stride] = acc[g];
+}
+
+void bounds_generic(const float* q, const float* lo, const float* hi, int64_t D, int64_t G, float* out, int64_t stride) {
+  for (int64_t g = 0; g < G; ++g) {
+    float acc = 0.f;
+    for (int64_t d = 0; d < D; ++d) acc += std::max(q[g * D + d] * lo[d], q[g * D + d] * hi[d]);
+    out[g * stride] = acc;
+  }
+}
+
+using Bounds = void (*)(const float*, const float*, const float*, int64_t, int64_t, float*, int64_t);
+
+Bounds pick_bounds(int64_t g) {
+  switch (g) {
+    case 1: return bounds_fixed<1>;
+    case 2: return bounds_fixed<2>;
+    case 3: return bounds_fixed<3>;
+    case 4: return bounds_fixed<4>;
+    default: return bounds_generic;
+  }
+}
+
+}  // namespace
+
 // ImportanceScore's relevance by share (plugins/importance_score.py, weights (1, 0, 0), aggregate
 // "share") of a decode step's listed pages, reading the layer's page summaries by record: per
 // query head h, the bound of page m's logit ub = scale * sum_d max(q_d kmin_d, q_d kmax_d) (the
@@ -626,31 +681,38 @@ at::Tensor page_relevance(at::Tensor q, at::Tensor kmin, at::Tensor kmax, at::Te
   float* op = out.data_ptr<float>();
   const int64_t G = H / KVH;
   const float sc = static_cast<float>(scale);
+  const Bounds bounds = pick_bounds(G);
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> ub(M), share(M);
+    std::vector<float> ub(H * M), share(M), logt(M);
     for (int64_t b = begin; b < end; ++b) {
       const bool* valid = mk + b * M;
       if (std::none_of(valid, valid + M, [](bool v) { return v; })) continue;
+      for (int64_t m = 0; m < M; ++m) logt[m] = std::log(std::max(tk[b * M + m], 1.f));
+      // every head's bound of every competing page: a page's summary rows (its kv heads', side by
+      // side) read once, each for the G query heads of its kv head
+      for (int64_t m = 0; m < M; ++m) {
+        if (!valid[m]) continue;
+        for (int64_t j = 0; j < KVH; ++j) {
+          const int64_t row = (rc[b * M + m] * KVH + j) * D;
+          bounds(qp + (b * H + j * G) * D, lo + row, hi + row, D, G, ub.data() + j * G * M + m, M);
+        }
+      }
       std::fill(share.begin(), share.end(), 0.f);
       for (int64_t h = 0; h < H; ++h) {
-        const float* qh = qp + (b * H + h) * D;
+        float* u = ub.data() + h * M;
         float mx = -std::numeric_limits<float>::max();
-        for (int64_t m = 0; m < M; ++m) {
-          if (!valid[m]) continue;
-          const int64_t row = (rc[b * M + m] * KVH + h / G) * D;
-          float acc = 0.f;
-          for (int64_t d = 0; d < D; ++d) acc += std::max(qh[d] * lo[row + d], qh[d] * hi[row + d]);
-          ub[m] = acc * sc + std::log(std::max(tk[b * M + m], 1.f));
-          mx = std::max(mx, ub[m]);
-        }
-        float sum = 0.f;
-        for (int64_t m = 0; m < M; ++m) {
-          if (!valid[m]) continue;
-          ub[m] = std::exp(std::max(ub[m] - mx, kExpFloor));
-          sum += ub[m];
-        }
         for (int64_t m = 0; m < M; ++m)
-          if (valid[m]) share[m] = std::max(share[m], ub[m] / sum);
+          if (valid[m]) {
+            u[m] = u[m] * sc + logt[m];
+            mx = std::max(mx, u[m]);
+          }
+        // (a page that does not compete gets exp of the floor, then 0: the loop vectorizes)
+        for (int64_t m = 0; m < M; ++m) u[m] = std::exp(valid[m] ? std::max(u[m] - mx, kExpFloor) : kExpFloor);
+        float sum = 0.f;
+        for (int64_t m = 0; m < M; ++m)
+          if (valid[m]) sum += u[m];
+        for (int64_t m = 0; m < M; ++m)
+          if (valid[m]) share[m] = std::max(share[m], u[m] / sum);
       }
       const float top = std::max(*std::max_element(share.begin(), share.end()), 1e-30f);
       for (int64_t m = 0; m < M; ++m) op[b * M + m] = valid[m] ? share[m] / top : 0.f;
@@ -719,6 +781,59 @@ at::Tensor select_pages(at::Tensor score, at::Tensor valid, at::Tensor pinned, a
   return out;
 }
 
+// One decode layer of the tiered cache in one call (runtime/tiered/layer_step.py, LayerStep.attend
+// on its CPU path): the three ops above in the order the layer runs them, with the step's
+// [L, ...] tensors and the layer's index, its results written into the step's record in place.
+// 1. score (when `score`): page_relevance of the listed pages under q from layer `layer`'s summaries
+//    kmin, kmax [L, R, KVH, D] -> relevance[layer]; select_pages with valid, pinned (T0) [B, M]
+//    and attend [B] -> the selected pages; else every valid page;
+// 2. attend: tiered_decode_attention over the selected pages' keys inside their sequences
+//    (inside [B, M * P] bool), each page where kind, slot [L, B, M] say: pools [L, C, KVH, P, D],
+//    extra (host) pages [L, X, KVH, P, D], warm [L, Cw, NB] (empty: none) in warm_codec's layout;
+// 3. record: selected[layer] and attended[layer] (the same here), mass[layer] = the op's mass summed
+//    over kv heads divided by the query heads (as models/cache.py does after the op), and
+//    exact[layer] = exact_choice[layer] & selected when the step reads warm pages exact.
+// q [B, H, D]. Returns out [B, H, D]. The same ATen arithmetic as the separate calls: the same bits.
+at::Tensor tiered_decode_layer(at::Tensor q, int64_t layer, bool score, at::Tensor kmin, at::Tensor kmax,
+                               at::Tensor recs, at::Tensor tokens, at::Tensor candidates, at::Tensor valid,
+                               at::Tensor pinned, at::Tensor attend, at::Tensor pool_k, at::Tensor pool_v,
+                               at::Tensor extra_k, at::Tensor extra_v, at::Tensor warm, at::IntArrayRef warm_codec,
+                               at::Tensor kind, at::Tensor slot, at::Tensor inside,
+                               std::optional<at::Tensor> exact_choice, at::Tensor selected, at::Tensor attended,
+                               at::Tensor mass, at::Tensor relevance, std::optional<at::Tensor> exact, double scale) {
+  TORCH_CHECK(kmin.dim() == 4 && pool_k.dim() == 5 && extra_k.dim() == 5 && kind.dim() == 3 && slot.dim() == 3,
+              "tiered_decode_layer takes every layer's summaries [L, R, KVH, D], pools [L, C, KVH, P, D], extra "
+              "pages [L, X, KVH, P, D], kind and slot [L, B, M]");
+  TORCH_CHECK(layer >= 0 && layer < pool_k.size(0) && layer < kmin.size(0) && layer < kind.size(0) &&
+                  layer < selected.size(0),
+              "layer ", layer, " outside the step's tensors");
+  for (const at::Tensor* t : {&selected, &attended, &mass, &relevance})
+    TORCH_CHECK(t->dim() == 3 && t->size(1) == kind.size(1) && t->size(2) == kind.size(2),
+                "the record's tensors must be [L, B, M] like kind");
+  TORCH_CHECK(exact_choice.has_value() == exact.has_value(), "exact_choice and exact come together");
+  const int64_t B = q.size(0), H = q.size(1), M = kind.size(2), P = pool_k.size(3);
+  TORCH_CHECK(inside.dim() == 2 && inside.size(0) == B && inside.size(1) == M * P, "inside must be [B, M * P]");
+  at::Tensor sel = valid;
+  if (score) {
+    const at::Tensor rel = page_relevance(q, kmin.select(0, layer), kmax.select(0, layer), recs, tokens, candidates,
+                                          scale);
+    relevance.select(0, layer).copy_(rel);
+    sel = select_pages(rel, valid, pinned, attend);
+  }
+  selected.select(0, layer).copy_(sel);
+  attended.select(0, layer).copy_(sel);
+  const at::Tensor allowed = inside.view({B, M, P}).logical_and(sel.unsqueeze(-1)).view({B, 1, M * P});
+  const at::Tensor w = warm.numel() ? warm.select(0, layer) : at::zeros({0, 0}, warm.options());
+  std::vector<int64_t> codec(warm_codec.begin(), warm_codec.end());
+  if (!warm.numel()) codec.assign(8, 0);
+  auto [out, m] = tiered_decode_attention(q, pool_k.select(0, layer), pool_v.select(0, layer), extra_k.select(0, layer),
+                                          extra_v.select(0, layer), w, codec, kind.select(0, layer),
+                                          slot.select(0, layer), allowed, scale);
+  mass.select(0, layer).copy_(m.sum(1).div_(H));
+  if (exact) exact->select(0, layer).copy_(exact_choice->select(0, layer).logical_and(sel));
+  return out;
+}
+
 TORCH_LIBRARY(tieredkv_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor pool_k, Tensor pool_v, Tensor pages, Tensor allowed, float scale) "
         "-> Tensor");
@@ -727,6 +842,11 @@ TORCH_LIBRARY(tieredkv_cpu, m) {
   m.def("page_relevance(Tensor q, Tensor kmin, Tensor kmax, Tensor recs, Tensor tokens, Tensor mask, float scale) "
         "-> Tensor");
   m.def("select_pages(Tensor score, Tensor valid, Tensor pinned, Tensor attend) -> Tensor");
+  m.def("tiered_decode_layer(Tensor q, int layer, bool score, Tensor kmin, Tensor kmax, Tensor recs, Tensor tokens, "
+        "Tensor candidates, Tensor valid, Tensor pinned, Tensor attend, Tensor pool_k, Tensor pool_v, Tensor extra_k, "
+        "Tensor extra_v, Tensor warm, int[] warm_codec, Tensor kind, Tensor slot, Tensor inside, Tensor? exact_choice, "
+        "Tensor(a!) selected, Tensor(b!) attended, Tensor(c!) mass, Tensor(d!) relevance, Tensor(e!)? exact, "
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tieredkv_cpu, CPU, m) {
@@ -734,4 +854,5 @@ TORCH_LIBRARY_IMPL(tieredkv_cpu, CPU, m) {
   m.impl("tiered_decode_attention", &tiered_decode_attention);
   m.impl("page_relevance", &page_relevance);
   m.impl("select_pages", &select_pages);
+  m.impl("tiered_decode_layer", &tiered_decode_layer);
 }

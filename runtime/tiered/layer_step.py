@@ -37,7 +37,7 @@ import torch
 
 from tieredkv.models.cache import (EXTRA, POOL, WARM, attention, decode_op_applies, gather_pages,
                                    pool_decode_attention, pool_rows, tiered_decode_attention, tiered_in_place)
-from tieredkv.models.cpu_attention import relevance_op, select_op
+from tieredkv.models.cpu_attention import layer_op, relevance_op, select_op
 from tieredkv.plugins.importance_score import (RELEVANCE_ONLY, distance_bucket, importance_score, mix,
                                                relevance_and_ranking)
 from tieredkv.plugins.select_pages import ATTEND_ALL, select_pages
@@ -119,6 +119,10 @@ class LayerStep:
     """The open step's state on the layers' side (module docstring). ``cache``: the
     :class:`~tieredkv.runtime.tiered.cache.TieredKVCache` whose step it is."""
 
+    #: decode layers in one call where it applies (:meth:`attend_fused`); False: stage by stage (the
+    #: same results; the tests compare the two)
+    fuse_layers = True
+
     def __init__(self, cache, plan: StepPlan) -> None:
         mgr, t, config = cache.mgr, cache.mgr.table, cache.config
         self.cache, self.mgr, self.plan = cache, mgr, plan
@@ -172,6 +176,10 @@ class LayerStep:
             self.relevance_op = relevance_op()
             if self.relevance_op is not None:  # its page inputs, the same in every layer of the step
                 self._relevance_pages = (self.recs, self.tokens.float(), self.candidates.bool())
+        #: a decode layer in one call (:meth:`attend_fused`) where the CPU ops above all apply; None: not
+        self.layer_op = (layer_op() if self.fuse_layers and self.relevance_op is not None and self.select_op is not None
+                         and self.in_place is not None else None)
+        self._fused_args: tuple | None | bool = False  # its arguments the same in every layer; False: not yet
         self.ran = False  # a layer attended (or an engine's graph ran): the step has something to record
         self.moves_inside = cache._speculate  # a layer-ahead prefetch may move pages during the step
         # nothing to do: no selection, every page full precision on the device, room for the next
@@ -212,6 +220,10 @@ class LayerStep:
         t_score = time.perf_counter()
         if not self.measure:  # every listed page, full precision on the device: the paged cache's path
             out = self.attend_all(layer, q)
+            m.attention_seconds += time.perf_counter() - t_score
+            return out
+        out = self.attend_fused(layer, q)
+        if out is not None:  # (the scorer's and the selection's time counted in the attention's)
             m.attention_seconds += time.perf_counter() - t_score
             return out
         heads = relevance = None
@@ -271,6 +283,42 @@ class LayerStep:
         if t == 1 and k.dtype == q.dtype:
             return attention(q, k, v, allowed.view(b, 1, t, m * p))
         return attend_out(q, k, v, allowed)
+
+    def attend_fused(self, layer: int, q: torch.Tensor) -> torch.Tensor | None:
+        """A decode layer in one call (``models.cpu_attention.layer_op``): the relevance and the
+        selection (:meth:`rank`, :meth:`select`) where the layer scores, the CPU op over the step's
+        page sources (:meth:`attend_in_place`, :meth:`op_sources`) and the layer's record written in
+        place — the same results as those methods, without a Python call per stage. Where it applies:
+        the step's sources cover the layer, the default ranking (relevance by share: one selection
+        per sequence), every listed page attendable (not masked mode's off-device pages); else
+        ``None`` and the stages run one by one."""
+        args = self.fused_args()
+        if (args is None or self.off[layer] or not self._sources.whole[layer]
+                or not decode_op_applies(q, self.mgr.device.k)):
+            return None
+        b, h, _, d = q.shape
+        out = self.layer_op(q.reshape(b, h, d).contiguous(), layer, self.scores(layer), *args)
+        self._sources.read.append(layer)  # its host pages are counted at the step's end
+        return out.view(b, h, 1, d)
+
+    def fused_args(self) -> tuple | None:
+        """:meth:`attend_fused`'s arguments that every layer of the step shares (the step's [L, ...]
+        tensors; the op takes the layer's index), once per step; None where it does not apply."""
+        if self._fused_args is not False:
+            return self._fused_args
+        self._fused_args = None
+        src = self.op_sources() if self.layer_op is not None else None
+        if src is None:
+            return None
+        mgr, t, rec, B = self.mgr, self.mgr.table, self.rec, self.plan.batch
+        codec = src._codec
+        warm = mgr.warm.data if codec else torch.zeros(0, 0, 0, dtype=torch.uint8)
+        attend = torch.full((B,), self.budget, dtype=torch.long)
+        self._fused_args = (t.kmin, t.kmax, *self._relevance_pages, self.valid, self.t0, attend, mgr.device.k,
+                            mgr.device.v, mgr.host.k, mgr.host.v, warm, list(codec) if codec else [0] * 8, src.kind,
+                            src.slot, self.inside().view(B, -1), self.exact_choice, rec.selected, rec.attended,
+                            rec.mass, rec.relevance, rec.exact, mgr.device.k.shape[-1] ** -0.5)
+        return self._fused_args
 
     def allowed_all(self, num_queries: int, page_size: int) -> torch.Tensor:
         """The keys every query may see when a layer attends every listed page (the same in every
@@ -393,7 +441,8 @@ class LayerStep:
         return out, mass
 
     def attend_in_place(self, layer: int, q: torch.Tensor, dslot: torch.Tensor, attended: torch.Tensor,
-                        heads: torch.Tensor | None, exact: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                        heads: torch.Tensor | None,
+                        exact: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A decode layer through ``models.cache.tiered_decode_attention`` (the CPU op): every
         listed page read where it is — the device pool by slot, the warm pool encoded (4-bit codes
         decoded inside the kernel) — and only the pages off the device (host, disk, exact reads;

@@ -381,3 +381,30 @@ def test_encode_op_refuses_bad_arguments():
         op(k, v, [3] + args[1:], nb)
     with pytest.raises(RuntimeError, match="inside"):
         op(k, v, args, nb // 2)
+
+
+@needs_op
+def test_layer_op_refuses_bad_arguments():
+    """The fused decode layer (``tiered_decode_layer``) names what is wrong: a layer outside the step's
+    tensors, record tensors of another shape, an exact column without its choice. (That it equals the
+    stages it fuses: tests/runtime/tiered/test_warm.py.)"""
+    from tieredkv.models.cpu_attention import layer_op
+
+    L, B, M, P, D, H, KVH = 2, 2, 3, 4, 8, 4, 2
+    kmin = torch.zeros(L, 5, KVH, D)
+    pools = [torch.zeros(L, 6, KVH, P, D) for _ in range(4)]
+    bm = lambda dtype=torch.bool: torch.zeros(B, M, dtype=dtype)  # noqa: E731
+    lbm = lambda dtype=torch.bool: torch.zeros(L, B, M, dtype=dtype)  # noqa: E731
+    rec = [lbm(), lbm(), lbm(torch.float32), lbm(torch.float32)]
+    args = lambda layer, record, exact=(None, None): (  # noqa: E731
+        torch.randn(B, H, D), layer, True, kmin, kmin, bm(torch.long), bm(torch.float32), bm(), bm(), bm(),
+        torch.full((B,), 2), *pools, torch.zeros(0, 0, 0, dtype=torch.uint8), [0] * 8, lbm(torch.int8),
+        lbm(torch.long), torch.zeros(B, M * P, dtype=torch.bool), exact[0], *record, exact[1], D ** -0.5)
+    out = layer_op()(*args(1, rec))
+    assert out.shape == (B, H, D) and torch.equal(out, torch.zeros(B, H, D))  # no page valid: zeros
+    with pytest.raises(RuntimeError, match="layer 2 outside the step's tensors"):
+        layer_op()(*args(2, rec))
+    with pytest.raises(RuntimeError, match="record's tensors must be"):
+        layer_op()(*args(0, [rec[0][:, :1], *rec[1:]]))
+    with pytest.raises(RuntimeError, match="exact_choice and exact come together"):
+        layer_op()(*args(0, rec, (lbm(), None)))

@@ -63,6 +63,14 @@ def test_nothing_to_decide_costs_no_tiering_work(monkeypatch):
         return rank(self, layer, q)
 
     monkeypatch.setattr(layer_step.LayerStep, "rank", counting_rank)
+    fused = layer_step.LayerStep.attend_fused
+
+    def counting_fused(self, layer, q):  # a layer in one call ranks inside it
+        out = fused(self, layer, q)
+        calls["rank"] += out is not None and self.scores(layer)
+        return out
+
+    monkeypatch.setattr(layer_step.LayerStep, "attend_fused", counting_fused)
     cache = TieredKVCache(MODEL.kv_spec(), TieredKVConfig(device_budget="10MiB", **SMALL), full_tokens=80)
     reader = cache.mgr.read_pages
 

@@ -355,6 +355,7 @@ def test_step_sources_equal_the_per_layer_path(setup, monkeypatch, tmp_path):
     if setup.pop("disk", False):
         setup["disk_path"] = str(tmp_path)
     tokens = torch.randint(0, 512, (400,), generator=torch.Generator().manual_seed(12))
+    monkeypatch.setattr(LayerStep, "fuse_layers", False)  # every layer through attend_in_place
     general = []
     per_layer = LayerStep.attend_in_place
     monkeypatch.setattr(LayerStep, "attend_in_place", lambda self, layer, *a: (
@@ -383,6 +384,57 @@ def test_step_sources_equal_the_per_layer_path(setup, monkeypatch, tmp_path):
         assert n_general > 0  # the layers listing a page on the disk
     else:
         assert n_general == 0
+
+
+@pytest.mark.parametrize("setup", [
+    dict(),
+    dict(warm_exact_reads=2),  # exact reads: the record's exact column written by the fused call
+    dict(dense_layers=2),  # the first layers do not score: every page selected
+    dict(warm_codec="int2"),  # warm pages decoded into the op's scratch
+    dict(attention_budget="40%", selection_aggregate="kv-head"),  # a selection per kv head: stage by stage
+    dict(host_budget="10%", disk=True),  # the layers that list a page on the disk: stage by stage
+], ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()) or "default")
+def test_fused_layer_equals_the_stages(setup, monkeypatch, tmp_path):
+    """A decode layer in one call (``LayerStep.attend_fused``: relevance, selection, the CPU op and
+    the record in one op) gives what the stages give one by one (``rank``, ``select``,
+    ``attend_in_place``): the same logits bit for bit, the same records and link accounting; it
+    runs where the step's sources cover the layer and the ranking is the default one, and the
+    stages run elsewhere."""
+    from tieredkv.models.cpu_attention import layer_op
+
+    if layer_op() is None:
+        pytest.skip("the CPU op could not be built here")
+    setup = dict(setup)
+    if setup.pop("disk", False):
+        setup["disk_path"] = str(tmp_path)
+    tokens = torch.randint(0, 512, (400,), generator=torch.Generator().manual_seed(13))
+    fused = []  # per decode layer: whether it ran fused
+    inner = LayerStep.attend_fused
+    monkeypatch.setattr(LayerStep, "attend_fused", lambda self, layer, q: (
+        lambda out: (self.decode and fused.append(out is not None)) or out)(inner(self, layer, q)))
+    runs = {}
+    for fuse in (True, False):
+        monkeypatch.setattr(LayerStep, "fuse_layers", fuse)
+        fused.clear()
+        cfg = TieredKVConfig(policy="lfu-importance", device_budget="50%", warm_fraction=0.5,
+                             **{"warm_codec": "int4", **SMALL, "page_size": 16, **setup})
+        cache, logits, records = decode_tail(cfg, tokens, monkeypatch)
+        st = cache.mgr.transfers.stats
+        runs[fuse] = (logits, records, (st.h2d_copies, st.h2d_pages, st.h2d_bytes), sum(fused), len(fused))
+    (got, got_rec, got_moved, n_fused, n), (want, want_rec, want_moved, n_off, _) = runs[True], runs[False]
+    assert n > 0 and n_off == 0
+    assert torch.equal(got, want)
+    assert got_moved == want_moved and want_moved[1] > 0  # host pages were read
+    for a, b in zip(got_rec, want_rec, strict=True):
+        for name in ("selected", "attended", "mass", "relevance", "importance", "exact"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None and y is None) or torch.equal(x, y), name
+    if "selection_aggregate" in setup:
+        assert n_fused == 0  # one selection per kv head: not the fused call's
+    elif "disk_path" in setup:
+        assert n_fused < n  # the layers listing a page on the disk take the stages
+    else:
+        assert n_fused == n
 
 
 @pytest.mark.parametrize("setup", [
@@ -421,6 +473,7 @@ def test_decode_op_equals_the_gathering_path(setup, monkeypatch, tmp_path):
         copied.append(len(recs)) or read_into(self, layer, recs, *a, **k)))
     small = {**SMALL, "page_size": page_size}
     tokens = torch.randint(0, 512, (400,), generator=torch.Generator().manual_seed(11))
+    monkeypatch.setattr(LayerStep, "fuse_layers", False)  # the op called alone (the fused call: below)
     calls = []
     inner = layer_step.tiered_decode_attention
     monkeypatch.setattr(layer_step, "tiered_decode_attention", lambda *a, **k: calls.append(1) or inner(*a, **k))
