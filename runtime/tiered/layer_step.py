@@ -22,6 +22,9 @@ A decode layer on the CPU in float32 does 3 and 4 in one op instead
 (:meth:`LayerStep.attend_in_place`, ``models.cache.tiered_decode_attention``): each page read
 where it is — the device pool by slot, the warm pool encoded — and only the pages off the device
 read by the manager's reader; no gather, no compaction, unselected pages not read.
+With the default ranking and the step's page sources covering the layer, 1 to 4 and the layer's
+record are one op call (:meth:`LayerStep.attend_fused`, ``models.cpu_attention.layer_op``): the
+same results, without Python between the stages.
 
 What each layer did is kept in [L, B, M] buffers and handed to the manager once, at the end
 of the step (:meth:`LayerStep.record`). When the budgets hold the whole work — no selection,
