@@ -334,6 +334,35 @@ def decode_tail(cfg, tokens, monkeypatch, **cache_kw):
     return cache, logits, records
 
 
+def same_both_ways(setup, seed, tmp_path, monkeypatch, switch, flags):
+    """:func:`decode_tail` of ``setup`` (int4 warm pool, 50 % device budget, 16-token pages; ``disk``:
+    a disk tier in ``tmp_path``) run twice — after ``switch(True)``, then after ``switch(False)`` —
+    asserting the same logits bit for bit, the same step records and the same link accounting (host
+    pages read). ``flags``: a list the patched code appends a flag to per layer. Returns the setup as
+    run and, per run, (flags set, flags appended)."""
+    setup = dict(setup)
+    if setup.pop("disk", False):
+        setup["disk_path"] = str(tmp_path)
+    tokens = torch.randint(0, 512, (400,), generator=torch.Generator().manual_seed(seed))
+    runs = {}
+    for variant in (True, False):
+        switch(variant)
+        flags.clear()
+        cfg = TieredKVConfig(policy="lfu-importance", device_budget="50%", warm_fraction=0.5,
+                             **{"warm_codec": "int4", **SMALL, "page_size": 16, **setup})
+        cache, logits, records = decode_tail(cfg, tokens, monkeypatch)
+        st = cache.mgr.transfers.stats
+        runs[variant] = (logits, records, (st.h2d_copies, st.h2d_pages, st.h2d_bytes), (sum(flags), len(flags)))
+    (got, got_rec, got_moved, got_flags), (want, want_rec, want_moved, want_flags) = runs[True], runs[False]
+    assert torch.equal(got, want)
+    assert got_moved == want_moved and want_moved[1] > 0  # host pages were read
+    for a, b in zip(got_rec, want_rec, strict=True):
+        for name in ("selected", "attended", "mass", "relevance", "importance", "exact"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None and y is None) or torch.equal(x, y), name
+    return setup, got_flags, want_flags
+
+
 @pytest.mark.parametrize("setup", [
     dict(),
     dict(warm_exact_reads=2),  # exact reads: host copies of warm pages
@@ -351,33 +380,18 @@ def test_step_sources_equal_the_per_layer_path(setup, monkeypatch, tmp_path):
 
     if tiered_attention_op() is None:
         pytest.skip("the CPU op could not be built here")
-    setup = dict(setup)
-    if setup.pop("disk", False):
-        setup["disk_path"] = str(tmp_path)
-    tokens = torch.randint(0, 512, (400,), generator=torch.Generator().manual_seed(12))
     monkeypatch.setattr(LayerStep, "fuse_layers", False)  # every layer through attend_in_place
-    general = []
+    general = []  # per layer: whether it took the general path
     per_layer = LayerStep.attend_in_place
     monkeypatch.setattr(LayerStep, "attend_in_place", lambda self, layer, *a: (
         general.append(not (self.op_sources() and self.op_sources().whole[layer])) or per_layer(self, layer, *a)))
-    runs = {}
-    for sources in (True, False):
+
+    def switch(sources: bool) -> None:
         if not sources:
             monkeypatch.setattr(LayerStep, "op_sources", lambda self: None)
-        general.clear()
-        cfg = TieredKVConfig(policy="lfu-importance", device_budget="50%", warm_fraction=0.5,
-                             **{"warm_codec": "int4", **SMALL, "page_size": 16, **setup})
-        cache, logits, records = decode_tail(cfg, tokens, monkeypatch)
-        st = cache.mgr.transfers.stats
-        runs[sources] = (logits, records, (st.h2d_copies, st.h2d_pages, st.h2d_bytes), sum(general), len(general))
-    (got, got_rec, got_moved, n_general, n), (want, want_rec, want_moved, _, n_want) = runs[True], runs[False]
+
+    setup, (n_general, n), (_, n_want) = same_both_ways(setup, 12, tmp_path, monkeypatch, switch, general)
     assert n == n_want > 0
-    assert torch.equal(got, want)
-    assert got_moved == want_moved and want_moved[1] > 0  # host pages were read
-    for a, b in zip(got_rec, want_rec, strict=True):
-        for name in ("selected", "attended", "mass", "relevance", "importance", "exact"):
-            x, y = getattr(a, name), getattr(b, name)
-            assert (x is None and y is None) or torch.equal(x, y), name
     if "warm_ladder" in setup:
         assert n_general == n  # warm pages the op cannot read: every layer through the general path
     elif "disk_path" in setup:
@@ -404,31 +418,13 @@ def test_fused_layer_equals_the_stages(setup, monkeypatch, tmp_path):
 
     if layer_op() is None:
         pytest.skip("the CPU op could not be built here")
-    setup = dict(setup)
-    if setup.pop("disk", False):
-        setup["disk_path"] = str(tmp_path)
-    tokens = torch.randint(0, 512, (400,), generator=torch.Generator().manual_seed(13))
     fused = []  # per decode layer: whether it ran fused
     inner = LayerStep.attend_fused
     monkeypatch.setattr(LayerStep, "attend_fused", lambda self, layer, q: (
         lambda out: (self.decode and fused.append(out is not None)) or out)(inner(self, layer, q)))
-    runs = {}
-    for fuse in (True, False):
-        monkeypatch.setattr(LayerStep, "fuse_layers", fuse)
-        fused.clear()
-        cfg = TieredKVConfig(policy="lfu-importance", device_budget="50%", warm_fraction=0.5,
-                             **{"warm_codec": "int4", **SMALL, "page_size": 16, **setup})
-        cache, logits, records = decode_tail(cfg, tokens, monkeypatch)
-        st = cache.mgr.transfers.stats
-        runs[fuse] = (logits, records, (st.h2d_copies, st.h2d_pages, st.h2d_bytes), sum(fused), len(fused))
-    (got, got_rec, got_moved, n_fused, n), (want, want_rec, want_moved, n_off, _) = runs[True], runs[False]
+    setup, (n_fused, n), (n_off, _) = same_both_ways(
+        setup, 13, tmp_path, monkeypatch, lambda fuse: monkeypatch.setattr(LayerStep, "fuse_layers", fuse), fused)
     assert n > 0 and n_off == 0
-    assert torch.equal(got, want)
-    assert got_moved == want_moved and want_moved[1] > 0  # host pages were read
-    for a, b in zip(got_rec, want_rec, strict=True):
-        for name in ("selected", "attended", "mass", "relevance", "importance", "exact"):
-            x, y = getattr(a, name), getattr(b, name)
-            assert (x is None and y is None) or torch.equal(x, y), name
     if "selection_aggregate" in setup:
         assert n_fused == 0  # one selection per kv head: not the fused call's
     elif "disk_path" in setup:
