@@ -38,8 +38,8 @@ from tieredkv.errors import ConfigError
 CSRC = Path(__file__).resolve().parent / "csrc"
 #: one extension: the attention ops, the tier manager's step accounting and page moves, the
 #: linear layers' few-row path (``models.cpu_linear``) and the warm tier's page encoder
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "tier_step.cpp", CSRC / "tier_moves.cpp", CSRC / "small_linear.cpp",
-           CSRC / "kv_codec.cpp")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "tier_step.cpp", CSRC / "tier_moves.cpp", CSRC / "tier_close.cpp",
+           CSRC / "small_linear.cpp", CSRC / "kv_codec.cpp")
 BACKENDS = ("paged", "torch")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-lmvec", "-fopenmp"]  # glibc's vector math (the softmax's exponentials); OpenMP: torch's own runtime
@@ -116,7 +116,8 @@ set_cpu_manager(os.environ.get("TIEREDKV_CPU_MANAGER", "native"))
 
 def tier_step_ops():
     """The tier manager's ops (``fold_record``, ``fold_end``, ``wanted_pages``, ``pick_pages``,
-    ``lfu_priority``, ``mask_pairs``, ``evict_pages``, ``admit_pages``: ``torch.ops.tieredkv_cpu``), or ``None`` when
+    ``lfu_priority``, ``mask_pairs``, ``evict_pages``, ``admit_pages``, ``close_decode_step``:
+    ``torch.ops.tieredkv_cpu``), or ``None`` when
     switched off or not built — then the manager runs its torch code."""
     if _STATE["manager"] != "native" or not _native():
         return None

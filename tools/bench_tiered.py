@@ -20,12 +20,13 @@ replacement policy can earn its keep.
 overhead: CPU time of (a) the importance scorer (ImportanceScore: every page of one layer
 for one decode step; the design note's target is < 0.1 ms) and the selection after it
 (SelectPages), (b) the tier manager's per-step work for all layers and ``--batch`` sequences
-(each ``--context`` tokens): the step's record (what every layer attended) and ``end_step`` (statistics,
-migration windows, demand admission with eviction) alone and with ``begin_step`` (new
-records and slots, T0), at a preset's shape with a long context. Model compute is excluded: the cache is driven with synthetic scores and a
-synthetic access pattern (recency-heavy with recurring pages), and pages carry one value
-each, so data copies (done by DMA engines on a GPU; counted in bytes elsewhere) are
-excluded too.
+(each ``--context`` tokens): the step's close as the cache makes it (``close_step``: the step's
+record — what every layer attended — and ``end_step``'s statistics, migration windows, demand
+admission with eviction) alone and with ``begin_step`` (new records and slots, T0), at a
+preset's shape with a long context. Model compute is excluded: the cache is driven with
+synthetic scores and a synthetic access pattern (recency-heavy with recurring pages), and pages
+carry one value each, so the bytes of the data copies (done by DMA engines on a GPU; counted in
+bytes elsewhere) are excluded too — each moved page still costs its copy's cache misses.
 """
 
 from __future__ import annotations
@@ -193,9 +194,8 @@ def cmd_overhead(args: argparse.Namespace) -> int:
         selected = needed | plan.t0.unsqueeze(0)  # [L, B, M]
         importance, mass = torch.rand(L, B, m), torch.rand(L, B, m) * needed
         t_start = time.perf_counter()  # the step's record and its end, timed together
-        mgr.record_step(plan, StepRecord(selected=selected, attended=selected, relevance=None,
-                                         importance=importance, mass=mass))
-        mgr.end_step(decode=True)
+        mgr.close_step(plan, StepRecord(selected=selected, attended=selected, relevance=None, importance=importance,
+                                        mass=mass), decode=True)  # as the cache closes a step
         step_times.append(time.perf_counter() - t_start)
     manager_ms = 1000 * statistics.median(step_times[5:] or step_times)
     totals = [b + e for b, e in zip(begin_times, step_times)]

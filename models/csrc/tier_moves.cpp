@@ -33,7 +33,9 @@
 #include <utility>
 #include <vector>
 
-namespace {
+#include "tier_rows.h"
+
+namespace tier_rows {
 
 void check_cols(const at::Tensor& t, const char* name, int64_t rows, at::ScalarType dtype) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
@@ -60,45 +62,6 @@ int64_t* used_of(at::Tensor& used, int64_t L, const char* name) {
                   used.is_contiguous(), name, " must be a contiguous CPU long tensor [", L, "]");
   return used.data_ptr<int64_t>();
 }
-
-// One pool of one tier: its owner table [L, S] and owned slots per layer [L] — kept as slots are
-// taken and given back — and, for the device and host pools, its pages' bytes.
-struct Pool {
-  int64_t *owner, *used, slots;
-  char *k = nullptr, *v = nullptr;
-  int64_t page_bytes = 0;
-  std::vector<int64_t> next;  // per layer: the free slot to look from
-
-  char* at(char* base, int64_t l, int64_t s) const { return base + (l * slots + s) * page_bytes; }
-
-  // Whether `need` more pages per layer fit; else the slots each layer needs in all (used + need),
-  // the most of them in `total_max`.
-  bool fits(const std::vector<int64_t>& need, int64_t* total_max) const {
-    bool ok = true;
-    *total_max = 0;
-    for (size_t l = 0; l < need.size(); ++l) {
-      if (!need[l]) continue;
-      ok &= used[l] + need[l] <= slots;
-      *total_max = std::max(*total_max, used[l] + need[l]);
-    }
-    return ok;
-  }
-
-  // The next free slot of layer l (ascending, as TierPool.alloc takes them), now holding `rec`.
-  int64_t take(int64_t l, int64_t rec) {
-    int64_t& s = next[l];
-    while (s < slots && owner[l * slots + s] >= 0) ++s;  // the caller checked that enough are free
-    TORCH_CHECK(s < slots, "internal: layer ", l, " has fewer free slots than its used count says");
-    owner[l * slots + s] = rec;
-    ++used[l];
-    return s++;
-  }
-
-  void give_back(int64_t l, int64_t s) {
-    owner[l * slots + s] = -1;
-    --used[l];
-  }
-};
 
 // A pool's owner table and used counts, checked (`name`: the pool's, in errors; `used` null: a pool
 // the move only reads, whose slots it neither takes nor gives back).
@@ -132,12 +95,6 @@ std::pair<Pool, Pool> device_and_host(at::Tensor& dev_k, at::Tensor& dev_v, at::
   return {std::move(dev), std::move(host)};
 }
 
-// One page's K and V from slot `fs` of a layer of `from` into slot `ts` of that layer of `to`.
-void copy_page(const Pool& to, int64_t l, int64_t ts, const Pool& from, int64_t fs) {
-  std::memcpy(to.at(to.k, l, ts), from.at(from.k, l, fs), to.page_bytes);
-  std::memcpy(to.at(to.v, l, ts), from.at(from.v, l, fs), to.page_bytes);
-}
-
 at::Tensor result(int64_t a, int64_t b, int64_t c = 0) {
   auto out = at::zeros({4}, at::kLong);
   int64_t* o = out.data_ptr<int64_t>();
@@ -147,7 +104,9 @@ at::Tensor result(int64_t a, int64_t b, int64_t c = 0) {
   return out;
 }
 
-}  // namespace
+}  // namespace tier_rows
+
+using namespace tier_rows;
 
 at::Tensor evict_pages(at::Tensor layers, at::Tensor recs, at::Tensor device_slot, at::Tensor host_slot,
                        at::Tensor disk_slot, at::Tensor t1, at::Tensor prefetched, at::Tensor staged,
@@ -174,24 +133,9 @@ at::Tensor evict_pages(at::Tensor layers, at::Tensor recs, at::Tensor device_slo
   }
   int64_t host_total = 0;
   if (!host.fits(dirty, &host_total)) return result(-1, host_total);
-  int64_t wasted = 0, written = 0, moved = 0;
-  for (int64_t i = 0; i < N; ++i) {
-    const int64_t l = lp[i], at_ = l * C + rp[i], d = ds[at_];
-    if (d < 0) continue;  // (a page listed twice leaves once)
-    wasted += pf[at_] | st[at_];
-    pf[at_] = st[at_] = false;
-    if ((hs[at_] < 0) & (dk[at_] < 0)) {
-      const int64_t h = host.take(l, rp[i]);
-      copy_page(host, l, h, dev, d);
-      hs[at_] = h;
-      ++written;
-    }
-    dev.give_back(l, d);
-    ++moved;
-    ds[at_] = -1;
-    t1p[at_] = false;
-  }
-  return result(wasted, written, moved);
+  int64_t counts[3] = {0, 0, 0};  // wasted, written, moved
+  for (int64_t i = 0; i < N; ++i) evict_one(lp[i], rp[i], lp[i] * C + rp[i], ds, hs, dk, t1p, pf, st, dev, host, counts);
+  return result(counts[0], counts[1], counts[2]);
 }
 
 at::Tensor admit_pages(at::Tensor layers, at::Tensor recs, c10::optional<at::Tensor> streamed, at::Tensor device_slot,
@@ -232,22 +176,10 @@ at::Tensor admit_pages(at::Tensor layers, at::Tensor recs, c10::optional<at::Ten
   }
   int64_t dev_total = 0;
   if (!dev.fits(need, &dev_total)) return result(-1, dev_total);
-  int64_t warm_released = 0, fresh = 0, moved = 0;
-  for (int64_t i = 0; i < N; ++i) {
-    const int64_t l = lp[i], at_ = l * C + rp[i];
-    if (ds[at_] >= 0) continue;  // (a page listed twice comes in once)
-    if (ws[at_] >= 0) {
-      warm->give_back(l, ws[at_]);
-      ws[at_] = -1;
-      ++warm_released;
-    }
-    const int64_t d = dev.take(l, rp[i]);
-    copy_page(dev, l, d, host, hs[at_]);
-    ds[at_] = d;
-    fresh += !(sp && sp[i]);
-    ++moved;
-  }
-  return result(warm_released, fresh, moved);
+  int64_t counts[3] = {0, 0, 0};  // warm copies released, fresh, moved
+  for (int64_t i = 0; i < N; ++i)
+    admit_one(lp[i], rp[i], lp[i] * C + rp[i], sp && sp[i], ds, hs, ws, dev, host, warm ? &*warm : nullptr, counts);
+  return result(counts[0], counts[1], counts[2]);
 }
 
 TORCH_LIBRARY_FRAGMENT(tieredkv_cpu, m) {

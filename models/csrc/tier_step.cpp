@@ -41,6 +41,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "tier_rows.h"
+
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -50,7 +52,7 @@
 #include <utility>
 #include <vector>
 
-namespace {
+namespace tier_rows {
 
 void check_2d(const at::Tensor& t, const char* name, int64_t rows, int64_t cols, at::ScalarType dtype) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
@@ -64,39 +66,6 @@ void check_2d(const at::Tensor& t, const char* name, int64_t rows, int64_t cols,
 void check_row(const at::Tensor& t, const char* name, int64_t cols) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 1 && t.size(0) == cols && t.scalar_type() == at::kBool &&
                   t.is_contiguous(), name, " must be a contiguous CPU tensor of bool [", cols, "], got ", t.sizes());
-}
-
-// The loops below that mix element widths run over chunks of this many records, one loop per width.
-constexpr int64_t kChunk = 256;
-
-// Flags as bytes (0 / 1): GCC vectorizes byte arithmetic, not bool.
-inline const uint8_t* bytes(const bool* p) { return reinterpret_cast<const uint8_t*>(p); }
-
-// A [L, B, M] input or a [B, M] one shared by every layer: its data and the stride between layers.
-template <typename T>
-struct Plane {
-  const T* data = nullptr;
-  int64_t layer_stride = 0;
-  T at(int64_t l, int64_t i) const { return data[l * layer_stride + i]; }
-};
-
-template <typename T>
-Plane<T> plane(const c10::optional<at::Tensor>& t, const char* name, int64_t L, int64_t B, int64_t M,
-               at::ScalarType dtype) {
-  Plane<T> p;
-  if (!t.has_value() || !t->defined()) return p;
-  TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == dtype, name,
-              " must be a contiguous CPU tensor of ", dtype);
-  if (t->dim() == 3) {
-    TORCH_CHECK(t->size(0) == L && t->size(1) == B && t->size(2) == M, name, " must be [", L, ", ", B, ", ", M,
-                "] or [", B, ", ", M, "], got ", t->sizes());
-    p.layer_stride = B * M;
-  } else {
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == B && t->size(1) == M, name, " must be [", L, ", ", B, ", ", M,
-                "] or [", B, ", ", M, "], got ", t->sizes());
-  }
-  p.data = t->data_ptr<T>();
-  return p;
 }
 
 // Everything one (layer, sequence) row of fold_record reads and writes.
@@ -224,8 +193,6 @@ int64_t fold_row(const RecordRow& x, bool decode, int64_t* cnt) {
   return span[2];
 }
 
-using RowFn = int64_t (*)(const RecordRow&, bool, int64_t*);
-
 template <int kBits>
 RowFn row_fn_of() {
   return fold_row<(kBits & 1) != 0, (kBits & 2) != 0, (kBits & 4) != 0, (kBits & 8) != 0>;
@@ -301,9 +268,8 @@ void end_row(int64_t C, const bool* nd, const bool* mi, const bool* sc, const fl
   counts[1] = n_missing;
 }
 
-// A candidate as one integer: its key above, its record below — the rank order (the lower key
-// first, then the lower record) is the integers' order (the std algorithms below compare with `<`).
-using Candidate = uint64_t;
+// A candidate (Candidate, tier_rows.h) as one integer: its key above, its record below — the rank order (the
+// lower key first, then the lower record) is the integers' order (the std algorithms below compare with `<`).
 
 // A float's rank as an unsigned key, on its bits (this file builds with -ffast-math, which may
 // drop NaN and infinity checks on floats): -0 as +0, NaN as +inf.
@@ -408,16 +374,16 @@ void pick_layer(int64_t l, int64_t C, int64_t count, bool largest, const float* 
   for (int64_t i = 0; i < k; ++i) out.push_back(static_cast<int64_t>(pool[i] & 0xffffffffu));
 }
 
-}  // namespace
-
-at::Tensor fold_record(at::Tensor recs, at::Tensor valid, at::Tensor t0, at::Tensor selected, at::Tensor attended,
-                       c10::optional<at::Tensor> mass, c10::optional<at::Tensor> importance,
-                       c10::optional<at::Tensor> relevance, c10::optional<at::Tensor> exact,
-                       c10::optional<at::Tensor> full, c10::optional<at::Tensor> warm,
-                       c10::optional<at::Tensor> staged, at::Tensor device_slot, at::Tensor warm_slot,
-                       at::Tensor host_slot, at::Tensor table_staged, at::Tensor needed, at::Tensor missing,
-                       at::Tensor streamed, at::Tensor scored, at::Tensor acc_mass, at::Tensor acc_importance,
-                       at::Tensor acc_relevance, bool decode, int64_t staging_pages) {
+StepRecordIn step_record_in(at::Tensor& recs, at::Tensor& valid, at::Tensor& t0, at::Tensor& selected,
+                            at::Tensor& attended, const c10::optional<at::Tensor>& mass,
+                            const c10::optional<at::Tensor>& importance, const c10::optional<at::Tensor>& relevance,
+                            const c10::optional<at::Tensor>& exact, const c10::optional<at::Tensor>& full,
+                            const c10::optional<at::Tensor>& warm, const c10::optional<at::Tensor>& staged,
+                            at::Tensor& device_slot, at::Tensor& warm_slot, at::Tensor& host_slot,
+                            at::Tensor& table_staged, at::Tensor& needed, at::Tensor& missing, at::Tensor& streamed,
+                            at::Tensor& scored, at::Tensor& acc_mass, at::Tensor& acc_importance,
+                            at::Tensor& acc_relevance, bool decode, int64_t staging_pages) {
+  StepRecordIn x;
   const int64_t B = recs.size(0), M = recs.dim() == 2 ? recs.size(1) : 0;
   const int64_t L = needed.size(0), C = needed.size(1);
   check_2d(recs, "recs", B, M, at::kLong);
@@ -431,50 +397,69 @@ at::Tensor fold_record(at::Tensor recs, at::Tensor valid, at::Tensor t0, at::Ten
   for (auto [t, name] : {std::pair{&acc_mass, "acc_mass"}, {&acc_importance, "acc_importance"},
                          {&acc_relevance, "acc_relevance"}})
     check_2d(*t, name, L, C, at::kFloat);
-  const int64_t* rc = recs.data_ptr<int64_t>();
-  for (int64_t i = 0; i < B * M; ++i) TORCH_CHECK(rc[i] >= 0 && rc[i] < C, "recs must lie in [0, ", C, ")");
-  const bool *vd = valid.data_ptr<bool>(), *hot = t0.data_ptr<bool>();
-  const auto sel = plane<bool>(selected, "selected", L, B, M, at::kBool);
-  const auto att = plane<bool>(attended, "attended", L, B, M, at::kBool);
-  const auto ms = plane<float>(mass, "mass", L, B, M, at::kFloat);
-  const auto imp = importance.has_value() ? plane<float>(importance, "importance", L, B, M, at::kFloat) : ms;
-  const auto rel = relevance.has_value() ? plane<float>(relevance, "relevance", L, B, M, at::kFloat) : ms;
-  const auto ex = plane<bool>(exact, "exact", L, B, M, at::kBool);
-  const auto fu = plane<bool>(full, "full", L, B, M, at::kBool);
-  const auto wa = plane<bool>(warm, "warm", L, B, M, at::kBool);
-  const auto st = plane<bool>(staged, "staged", L, B, M, at::kBool);
-  const int64_t *dsl = device_slot.data_ptr<int64_t>(), *wsl = warm_slot.data_ptr<int64_t>(),
-                *hsl = host_slot.data_ptr<int64_t>();
-  const bool* tst = table_staged.data_ptr<bool>();
-  bool *nd = needed.data_ptr<bool>(), *mi = missing.data_ptr<bool>(), *sm = streamed.data_ptr<bool>(),
-       *sc = scored.data_ptr<bool>();
-  float *am = acc_mass.data_ptr<float>(), *ai = acc_importance.data_ptr<float>(),
-        *ar = acc_relevance.data_ptr<float>();
-  const int64_t rounds_of = std::max<int64_t>(1, staging_pages);
-  const RowFn row_fn = pick_row(int(fu.data != nullptr) | int(wa.data != nullptr) << 1 |
-                                int(st.data != nullptr) << 2 | int(ex.data != nullptr) << 3,
-                                std::make_integer_sequence<int, 16>{});
-  std::vector<int64_t> counts(5 * L, 0);  // per layer: masked, warm reads, streamed, from disk, rounds
+  x.L = L, x.B = B, x.M = M, x.C = C;
+  x.rc = recs.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * M; ++i) TORCH_CHECK(x.rc[i] >= 0 && x.rc[i] < C, "recs must lie in [0, ", C, ")");
+  x.vd = valid.data_ptr<bool>(), x.hot = t0.data_ptr<bool>();
+  x.sel = plane<bool>(selected, "selected", L, B, M, at::kBool);
+  x.att = plane<bool>(attended, "attended", L, B, M, at::kBool);
+  x.ms = plane<float>(mass, "mass", L, B, M, at::kFloat);
+  x.imp = importance.has_value() ? plane<float>(importance, "importance", L, B, M, at::kFloat) : x.ms;
+  x.rel = relevance.has_value() ? plane<float>(relevance, "relevance", L, B, M, at::kFloat) : x.ms;
+  x.ex = plane<bool>(exact, "exact", L, B, M, at::kBool);
+  x.fu = plane<bool>(full, "full", L, B, M, at::kBool);
+  x.wa = plane<bool>(warm, "warm", L, B, M, at::kBool);
+  x.st = plane<bool>(staged, "staged", L, B, M, at::kBool);
+  x.dsl = device_slot.data_ptr<int64_t>(), x.wsl = warm_slot.data_ptr<int64_t>(), x.hsl = host_slot.data_ptr<int64_t>();
+  x.tst = table_staged.data_ptr<bool>();
+  x.nd = needed.data_ptr<bool>(), x.mi = missing.data_ptr<bool>(), x.sm = streamed.data_ptr<bool>();
+  x.sc = scored.data_ptr<bool>();
+  x.am = acc_mass.data_ptr<float>(), x.ai = acc_importance.data_ptr<float>(), x.ar = acc_relevance.data_ptr<float>();
+  x.rounds_of = std::max<int64_t>(1, staging_pages);
+  x.decode = decode;
+  x.row_fn = pick_row(int(x.fu.data != nullptr) | int(x.wa.data != nullptr) << 1 | int(x.st.data != nullptr) << 2 |
+                      int(x.ex.data != nullptr) << 3, std::make_integer_sequence<int, 16>{});
+  return x;
+}
 
-  at::parallel_for(0, L, layer_grain(B * M), [&](int64_t begin, int64_t end) {
-    for (int64_t l = begin; l < end; ++l) {
-      int64_t* cnt = counts.data() + 5 * l;
-      for (int64_t b = 0; b < B; ++b) {
-        const int64_t i = b * M, at_ = l * C;
-        if (!ms.data) {  // the step measured nothing: what it needed, only
-          if (decode)
-            for (int64_t m = 0; m < M; ++m) nd[at_ + rc[i + m]] |= vd[i + m] & sel.at(l, i + m) & !hot[i + m];
-          continue;
-        }
-        auto row = [&](const auto& p) { return p.data ? p.data + l * p.layer_stride + i : nullptr; };
-        const RecordRow x{M, vd + i, hot + i, row(sel), row(att), row(fu), row(wa), row(st), row(ex),
-                          row(ms), row(imp), row(rel), rc + i, dsl + at_, wsl + at_, hsl + at_, tst + at_,
-                          nd + at_, mi + at_, sm + at_, sc + at_, am + at_, ai + at_, ar + at_};
-        const int64_t pages = row_fn(x, decode, cnt);
-        cnt[2] += pages;
-        cnt[4] += (pages + rounds_of - 1) / rounds_of;
-      }
+void StepRecordIn::fold_layer(int64_t l, int64_t* cnt) const {
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t i = b * M, at_ = l * C;
+    if (!ms.data) {  // the step measured nothing: what it needed, only
+      if (decode)
+        for (int64_t m = 0; m < M; ++m) nd[at_ + rc[i + m]] |= vd[i + m] & sel.at(l, i + m) & !hot[i + m];
+      continue;
     }
+    auto row = [&](const auto& p) { return p.data ? p.data + l * p.layer_stride + i : nullptr; };
+    const RecordRow x{M, vd + i, hot + i, row(sel), row(att), row(fu), row(wa), row(st), row(ex),
+                      row(ms), row(imp), row(rel), rc + i, dsl + at_, wsl + at_, hsl + at_, tst + at_,
+                      nd + at_, mi + at_, sm + at_, sc + at_, am + at_, ai + at_, ar + at_};
+    const int64_t pages = row_fn(x, decode, cnt);
+    cnt[2] += pages;
+    cnt[4] += (pages + rounds_of - 1) / rounds_of;
+  }
+}
+
+}  // namespace tier_rows
+
+using namespace tier_rows;
+
+at::Tensor fold_record(at::Tensor recs, at::Tensor valid, at::Tensor t0, at::Tensor selected, at::Tensor attended,
+                       c10::optional<at::Tensor> mass, c10::optional<at::Tensor> importance,
+                       c10::optional<at::Tensor> relevance, c10::optional<at::Tensor> exact,
+                       c10::optional<at::Tensor> full, c10::optional<at::Tensor> warm,
+                       c10::optional<at::Tensor> staged, at::Tensor device_slot, at::Tensor warm_slot,
+                       at::Tensor host_slot, at::Tensor table_staged, at::Tensor needed, at::Tensor missing,
+                       at::Tensor streamed, at::Tensor scored, at::Tensor acc_mass, at::Tensor acc_importance,
+                       at::Tensor acc_relevance, bool decode, int64_t staging_pages) {
+  const StepRecordIn x = step_record_in(recs, valid, t0, selected, attended, mass, importance, relevance, exact, full,
+                                        warm, staged, device_slot, warm_slot, host_slot, table_staged, needed,
+                                        missing, streamed, scored, acc_mass, acc_importance, acc_relevance, decode,
+                                        staging_pages);
+  const int64_t L = x.L;
+  std::vector<int64_t> counts(5 * L, 0);  // per layer: masked, warm reads, streamed, from disk, rounds
+  at::parallel_for(0, L, layer_grain(x.B * x.M), [&](int64_t begin, int64_t end) {
+    for (int64_t l = begin; l < end; ++l) x.fold_layer(l, counts.data() + 5 * l);
   });
   auto out = at::zeros({5}, at::kLong);
   int64_t* o = out.data_ptr<int64_t>();
@@ -523,7 +508,7 @@ at::Tensor fold_end(at::Tensor needed, at::Tensor missing, at::Tensor scored, at
 
 // One layer's [C] columns of wanted_pages (byte lanes: vectorizes; the device slots are read as a
 // byte flag first, in their own loop).
-int64_t want_row(int64_t C, const uint8_t* __restrict__ mi, const uint8_t* __restrict__ nd,
+int64_t tier_rows::want_row(int64_t C, const uint8_t* __restrict__ mi, const uint8_t* __restrict__ nd,
                  const uint8_t* __restrict__ st, const int64_t* __restrict__ ds, const uint8_t* __restrict__ alive,
                  uint8_t* __restrict__ want, uint8_t* __restrict__ protect) {
   uint8_t absent[kChunk];
@@ -566,6 +551,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> wanted_pages(at::Tensor missing, 
   return {want, protect, need};
 }
 
+namespace tier_rows {
+
 // lfu_priority's row, in chunks: the frequencies as floats (exact below 2^24), then the formula.
 // Built without fast-math and without contracting a * b + c into one fused multiply-add, so that
 // every operation rounds as torch's separate kernels round it (bit for bit the reference's).
@@ -586,6 +573,19 @@ inline int64_t row_max(int64_t n, const int64_t* __restrict__ in) {
   return m;
 }
 
+void lfu_row(int64_t C, const int64_t* fq, const float* im, float* out, float w_freq, float w_imp) {
+  // torch: freq.float().amax(1).clamp(min=1): the float of the highest count (the conversion keeps order)
+  const float top = C ? std::max(static_cast<float>(row_max(C, fq)), 1.0f) : 1.0f;
+  float f[kChunk];
+  for (int64_t c = 0; c < C; c += kChunk) {
+    const int64_t k = std::min(kChunk, C - c);
+    to_float(k, fq + c, f);
+    priority_chunk(k, f, im + c, out + c, top, w_freq, w_imp);
+  }
+}
+
+}  // namespace tier_rows
+
 at::Tensor lfu_priority(at::Tensor frequency, at::Tensor importance, double w_freq, double w_imp) {
   const int64_t L = frequency.size(0), C = frequency.dim() == 2 ? frequency.size(1) : 0;
   check_2d(frequency, "frequency", L, C, at::kLong);
@@ -596,17 +596,7 @@ at::Tensor lfu_priority(at::Tensor frequency, at::Tensor importance, double w_fr
   float* o = out.data_ptr<float>();
   const float wf = static_cast<float>(w_freq), wi = static_cast<float>(w_imp);
   at::parallel_for(0, L, layer_grain(C), [&](int64_t begin, int64_t end) {
-    float f[kChunk];
-    for (int64_t l = begin; l < end; ++l) {
-      const int64_t r = l * C;
-      // torch: freq.float().amax(1).clamp(min=1): the float of the highest count (the conversion keeps order)
-      const float top = C ? std::max(static_cast<float>(row_max(C, fq + r)), 1.0f) : 1.0f;
-      for (int64_t c = 0; c < C; c += kChunk) {
-        const int64_t k = std::min(kChunk, C - c);
-        to_float(k, fq + r + c, f);
-        priority_chunk(k, f, im + r + c, o + r + c, top, wf, wi);
-      }
-    }
+    for (int64_t l = begin; l < end; ++l) lfu_row(C, fq + l * C, im + l * C, o + l * C, wf, wi);
   });
   return out;
 }

@@ -392,12 +392,16 @@ class TieredKVCache(KVCache):
             k = torch.stack([keys[i] for i in layers])  # [L', B, KVH, D]
             which = None if len(layers) == self.spec.num_layers else torch.tensor(layers)
             self.mgr.fold_summaries(self.plan, k, self.scorer.token_saliency_all(k, which), which)
-        if self.layers.ran:  # (a step that only stored pages, e.g. loaded from the remote tier, records nothing)
-            self.mgr.record_step(self.plan, self.layers.record())
+        # (a step that only stored pages, e.g. loaded from the remote tier, records nothing)
+        rec = self.layers.record() if self.layers.ran else None
         decode = step.num_new == 1
-        if self.recorder is not None:
+        if self.recorder is None:
+            self.mgr.close_step(self.plan, rec, decode=decode)
+        else:  # the access log reads the step's access record between the two
+            if rec is not None:
+                self.mgr.record_step(self.plan, rec)
             for sid in step.seq_ids:
                 self.recorder.record(self.mgr.seq_access(sid), seq=sid, num_new=step.num_new, decode=decode,
                                      page_size=self.config.page_size, t0=self.mgr.table.t0[self.mgr.records_of(sid)])
-        self.mgr.end_step(decode=decode)
+            self.mgr.end_step(decode=decode)
         self.plan = self.layers = None

@@ -38,6 +38,8 @@ What the cache asks of it, per step (one decode step, in order):
   ``record_step``    once: what every layer needed, missed, streamed, the attention mass and
                      importance — and the one accounting of the step's reads;
   ``end_step``       statistics, migration at window boundaries, demand admission.
+  (``close_step``    the two above in one call — the cache's; a decode step's end in one native
+                     op over the layers where it applies, ``StepFold.close_step``.)
 
 Invariants (the property tests check them after every step):
   * every live page has at least one copy (device, host or disk) — nothing is lost;
@@ -129,6 +131,8 @@ class TierManager(StepFold, PageMoves, WarmTier, WindowMigration, TierAccounting
         self.step_no = 0  # decode steps so far (the clock of recency statistics)
         self.table = PageTable(num_layers, kv_heads, head_dim, self.P, summary_device=self.device.device)
         self._access: StepAccess | None = None
+        self._close_want: torch.Tensor | None = None  # close_step's buffer
+        self.closed_in_one_op = 0  # decode steps closed by close_step's one op
         self._spare: StepAccess | None = None  # the last step's access record, cleared for the next one
         self._restored = False  # a rollback happened (the move counters no longer balance the pools)
         self._expected: dict[int, int] = {}  # pages each sequence expects to list (``expect``)

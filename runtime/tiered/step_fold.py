@@ -10,12 +10,19 @@ and the path wherever the ops are off (``TIEREDKV_CPU_MANAGER=torch``) or not bu
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tieredkv.models.cpu_attention import tier_step_ops
 from tieredkv.runtime.tiered.masks import any_, count_, select_
 from tieredkv.runtime.tiered.page_table import HIST_MASK
+from tieredkv.runtime.tiered.policies.lfu_importance import LFUImportancePolicy
 from tieredkv.runtime.tiered.step import StepPlan, StepRecord
+
+#: the per-layer counts of ``close_decode_step`` (models/csrc/tier_close.cpp), in its order
+CLOSE_COUNTS = ("masked", "warm_reads", "streamed", "from_disk", "rounds", "needed", "missed", "wasted", "written",
+                "evicted", "released", "fresh", "admitted")
 
 
 def wanted_pages(missing: torch.Tensor, needed: torch.Tensor, staged: torch.Tensor, device_slot: torch.Tensor,
@@ -39,6 +46,87 @@ def _plane(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 class StepFold:
+    #: whether :meth:`close_step` may take the one-op path (False: always the two calls; tests compare)
+    close_in_one_op = True
+
+    def close_step(self, plan: StepPlan, rec: StepRecord | None, *, decode: bool) -> None:
+        """The step's end: :meth:`record_step` (``rec``: None when the step's layers recorded nothing)
+        then :meth:`end_step`. A decode step that the extension's ``close_decode_step`` covers runs
+        it instead: one pass over the layers, each layer's record, statistics, victims, evictions
+        and admissions while its rows sit in the cache (models/csrc/tier_close.cpp) — the same
+        state, metrics and transfer counts as the two calls."""
+        if rec is not None and decode and self.close_in_one_op and self._close_native(plan, rec):
+            return
+        if rec is not None:
+            self.record_step(plan, rec)
+        self.end_step(decode=decode)
+
+    def _close_native(self, plan: StepPlan, rec: StepRecord) -> bool:
+        """:meth:`close_step` through ``close_decode_step`` where it applies — no prefetcher and
+        nothing staged, no warm tier, a device budget, the lfu-importance policy (its priority
+        computed in the op) without an oracle, an unbounded host tier, not a migration window's
+        end, the moves on the CPU — else False with nothing done."""
+        t, m = self.table, self.metrics
+        if (self.prefetcher is not None or self.warm is not None or self.resident_cap is None
+                or self.next_use is not None or type(self.policy) is not LFUImportancePolicy
+                or self.host.max_capacity is not None or plan.recs.device.type != "cpu"
+                or (self.step_no + 1) % self.config.migration.window_steps == 0):
+            return False
+        ops = self._move_ops()  # (None where the moves' op does not apply; settles disk reads in flight)
+        if ops is None or any_(t.staged):
+            return False
+        t_start = time.perf_counter()
+        self.step_no += 1
+        m.decode_steps += 1
+        acc, dev, host, L = self._access, self.device, self.host, self.L
+        want = self._close_want
+        if want is None or want.shape != t.device_slot.shape:
+            want = self._close_want = torch.empty(t.device_slot.shape, dtype=torch.bool)
+        need, room, stage = (torch.zeros(L, dtype=torch.long) for _ in range(3))
+        counts = torch.zeros(L, len(CLOSE_COUNTS), dtype=torch.long)
+        dev_used, host_used = dev.used(), host.used()  # (copies: the op counts the moves in them)
+        b, f = torch.bool, torch.float32
+        planes = (plan.recs.contiguous(), plan.valid.contiguous(), plan.t0.contiguous(), _plane(rec.selected, b),
+                  _plane(rec.attended, b), _plane(rec.mass, f), _plane(rec.importance, f), _plane(rec.relevance, f),
+                  _plane(rec.exact, b), _plane(rec.full, b), _plane(rec.warm, b), _plane(rec.staged, b))
+        while True:
+            status, amount = ops.close_decode_step(
+                *planes, acc.needed, acc.missing, acc.streamed, acc.scored, acc.mass, acc.importance,
+                acc.relevance, t.device_slot, t.warm_slot, t.host_slot, t.disk_slot, t.staged, t.prefetched, t.t1,
+                t.alive, t.t0, t.last_access, t.frequency, t.win_access, t.hist, t.acc_mass, t.last_relevance,
+                t.importance, dev.k, dev.v, dev.owner, dev_used, host.k, host.v, host.owner, host_used, want, need,
+                room, stage, counts, self.resident_cap, self.policy.w_freq, self.policy.w_imp, self.step_no,
+                HIST_MASK, self.staging_pages).tolist()
+            if status == 0:
+                break
+            # a pool short of slots (the layers done so far stay done): grown as alloc grows it, then again
+            (host if status == 1 else dev).reserve(amount)
+        dev.set_used(dev_used)
+        host.set_used(host_used)
+        c = dict(zip(CLOSE_COUNTS, counts.sum(0).tolist()))
+        m.masked += c["masked"]
+        if rec.mass is not None:
+            m.warm_reads += c["warm_reads"]
+            m.streamed_pages += c["streamed"]
+            m.staging_rounds += c["rounds"]
+            self._count_h2d(c["streamed"], c["from_disk"])
+        m.hits += c["needed"] - c["missed"]
+        m.misses += c["missed"]
+        m.prefetch_wasted += c["wasted"]
+        if c["written"]:
+            self.transfers.to_host_counted(c["written"], c["written"] * dev.page_bytes)
+            m.writebacks += c["written"]
+            m.bytes_d2h += c["written"] * self.page_bytes
+        m.evicted_pages += c["evicted"]
+        if c["admitted"]:
+            m.warm_promotions += c["released"]
+            self.transfers.count_to_device(c["admitted"], c["admitted"] * dev.page_bytes)
+            self._count_h2d(c["fresh"], 0)
+            m.fetched_pages += c["admitted"]
+        self.closed_in_one_op += 1
+        self._finish_step(True, t_start)
+        return True
+
     def record_step(self, plan: StepPlan, rec: StepRecord) -> None:
         """What the step did with the listed pages of every layer (``rec``: [L, B, M] host
         tensors, once per step): the pages it needed and missed (decode; T0 excluded), masked

@@ -92,13 +92,17 @@ def _manager(warm: str, host_budget: str | None, disk: bool, batch: int, prefetc
 
 
 def _drive(backend: str, warm: str, host_budget: str | None, disk: bool, batch: int, seed: int,
-           prefetch: bool = False) -> list[dict]:
+           prefetch: bool = False, one_op: bool = False, runs: list | None = None) -> list[dict]:
     """Prefill ``batch`` sequences in chunks, then decode steps that need random pages (the
     overhead benchmark's pattern: a recent stretch, recurring pages, a few at random); the state
-    after every step."""
+    after every step. ``one_op``: each decode step closed by ``close_step`` (its one op where it
+    applies), else by ``record_step`` and ``end_step``; ``runs`` gets the manager."""
     set_cpu_manager(backend)
     try:
         mgr = _manager(warm, host_budget, disk, batch, prefetch)
+        mgr.close_in_one_op = one_op
+        if runs is not None:
+            runs.append(mgr)
         gen = torch.Generator().manual_seed(seed)
         seqs = tuple(range(batch))
         for b in seqs:
@@ -126,10 +130,9 @@ def _drive(backend: str, warm: str, host_budget: str | None, disk: bool, batch: 
             needed[rows, cols, hot.clamp(max=m - 4)] = True
             needed[rows, cols, torch.randint(1, max(2, m - 4), (mgr.L, batch, 3), generator=gen)] = True
             selected = (needed | plan.t0.unsqueeze(0)) & plan.valid.unsqueeze(0)
-            mgr.record_step(plan, StepRecord(selected=selected, attended=selected, relevance=None,
-                                             importance=torch.rand(mgr.L, batch, m, generator=gen),
-                                             mass=torch.rand(mgr.L, batch, m, generator=gen) * selected))
-            mgr.end_step(decode=True)
+            mgr.close_step(plan, StepRecord(selected=selected, attended=selected, relevance=None,
+                                            importance=torch.rand(mgr.L, batch, m, generator=gen),
+                                            mass=torch.rand(mgr.L, batch, m, generator=gen) * selected), decode=True)
             mgr.check_invariants()
             states.append(_state(mgr))
         if mgr.warm is not None:  # every warm page promoted (as a window's promotion would): warm copies released
@@ -176,6 +179,34 @@ def test_moves_through_the_ops_equal_the_torch_moves(warm, host_budget, batch, p
     if prefetch:
         assert last["prefetched_pages"] > 0
     for step, (got, want) in enumerate(zip(native, ref)):
+        for key, value in want.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got[key], value), f"step {step}: {key}"
+            else:
+                assert got[key] == value, f"step {step}: {key}"
+
+
+@needs_op
+@settings(max_examples=24, deadline=None)
+@given(warm=st.sampled_from(["off", "off", "int4"]), host_budget=st.sampled_from([None, None, "25%"]),
+       batch=st.integers(1, 3), prefetch=st.sampled_from([False, False, True]), seed=st.integers(0, 999))
+def test_a_step_closed_in_one_op_equals_the_two_calls(warm, host_budget, batch, prefetch, seed):
+    """``close_step`` through ``close_decode_step`` (models/csrc/tier_close.cpp) against ``record_step``
+    then ``end_step`` (each through its own ops): the same page table, pools (owners, used counts, page
+    bytes), metrics and transfer counts after every step — the pools grown inside the op's steps as
+    the separate moves grow them; where the op does not apply (a warm tier, a bounded host tier, a
+    prefetcher, a window's last step) ``close_step`` is the two calls."""
+    disk = host_budget is not None
+    runs = []
+    one = _drive("native", warm, host_budget, disk, batch, seed, prefetch, one_op=True, runs=runs)
+    two = _drive("native", warm, host_budget, disk, batch, seed, prefetch, one_op=False, runs=runs)
+    # (a budget with no room for warm pages has no warm tier)
+    applies = runs[0].warm is None and host_budget is None and not prefetch
+    assert (runs[0].closed_in_one_op > 0) == applies and runs[1].closed_in_one_op == 0
+    if applies:
+        assert runs[0].closed_in_one_op == 24 - 24 // 4  # every decode step but the windows' last
+        assert two[-1]["metrics"]["fetched_pages"] > 0 and two[-1]["metrics"]["writebacks"] > 0
+    for step, (got, want) in enumerate(zip(one, two)):
         for key, value in want.items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(got[key], value), f"step {step}: {key}"
