@@ -3,7 +3,7 @@
     python tools/bench_tiered.py hitrate  [--budgets 0.5 0.25 0.125] [--attention-ratios 1 0.5] [--windows 1]
                                           [--out results/hitrate]
     python tools/bench_tiered.py overhead [--preset llama2-70b] [--context 32768] [--batch 1] [--steps 50]
-                                          [--out results/overhead]
+                                          [--close one-op|two-calls] [--out results/overhead]
 
 hitrate: records SmolLM2 access traces in exact mode (the perplexity protocol: a 4096
 window, the first 3/4 as context, the last 1/4 teacher-forced one token per step; device
@@ -47,6 +47,7 @@ from tieredkv.runtime.tiered.config import TieredKVConfig
 from tieredkv.runtime.tiered.manager import TierManager
 from tieredkv.runtime.tiered.policies import POLICIES, make_policy
 from tieredkv.runtime.tiered.step import StepRecord
+from tieredkv.runtime.tiered.step_fold import StepFold
 
 
 def cmd_hitrate(args: argparse.Namespace) -> int:
@@ -166,6 +167,7 @@ def cmd_overhead(args: argparse.Namespace) -> int:
 
     # (b) the manager: B sequences of n_pages pages each, resident at the budget, decode steps
     policy = make_policy(cfg.migration.policy)
+    StepFold.close_in_one_op = args.close == "one-op"
     mgr = TierManager(num_layers=L, kv_heads=1, head_dim=1, dtype=torch.float32, config=cfg, budgets=budgets,
                       policy=policy)
     seqs = tuple(range(B))
@@ -209,7 +211,8 @@ def cmd_overhead(args: argparse.Namespace) -> int:
            "scorer_plus_selection_ms_per_step_all_layers": round(scorer_ms * L, 3),
            "manager_ms_per_decode_step_all_layers": round(manager_ms, 3),
            "manager_ms_p90": round(1000 * sorted(step_times)[int(0.9 * len(step_times))], 3),
-           "hit_rate_synthetic": round(mgr.metrics.hit_rate, 4), "command": " ".join(["python"] + sys.argv),
+           "hit_rate_synthetic": round(mgr.metrics.hit_rate, 4), "close": args.close,
+           "closed_in_one_op": mgr.closed_in_one_op, "command": " ".join(["python"] + sys.argv),
            "date": time.strftime("%Y-%m-%d")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -235,6 +238,9 @@ def main() -> int:
     o.add_argument("--policy", default="lfu-importance")
     o.add_argument("--steps", type=int, default=50)
     o.add_argument("--batch", type=int, default=1, help="sequences decoded together, each --context tokens")
+    o.add_argument("--close", choices=("one-op", "two-calls"), default="one-op",
+                   help="a decode step's end through close_step's one op where it applies (the cache's path), "
+                        "or record_step then end_step (the separate ops) — for a side-by-side comparison")
     o.add_argument("--out", default="results/overhead")
     args = ap.parse_args()
     return cmd_hitrate(args) if args.cmd == "hitrate" else cmd_overhead(args)
