@@ -1,5 +1,5 @@
 // close_decode_step: the end of a decode step in one pass over the layers, where the tier manager
-// (runtime/tiered/manager.py: TierManager.close_step) would otherwise make six passes over the
+// (runtime/tiered/step_fold.py: StepFold.close_step) would otherwise make six passes over the
 // page table's [L, C] columns — fold_record, fold_end, wanted_pages, lfu_priority, pick_pages for
 // the victims and evict_pages, pick_pages (or mask_pairs) for the wanted pages and admit_pages —
 // each streaming every layer's columns from memory (at 70B shapes, 80 layers of ~2k records, the
@@ -10,8 +10,9 @@
 // and admitted, their slots and bytes (tests/runtime/tiered/test_tier_moves_op.py).
 //
 // Where it applies (the manager checks): a decode step that is not a migration-window boundary,
-// no prefetcher and nothing staged, the lfu-importance policy, no warm tier, the page moves on the
-// CPU with an unbounded host tier — the manager's own end_step runs otherwise.
+// no prefetcher and nothing staged, a device budget, the lfu-importance policy without a next-use
+// oracle, no warm tier, the page moves on the CPU with an unbounded host tier — the manager's own
+// end_step runs otherwise.
 //
 // Per layer l, from its `stage[l]` (0: nothing done; calls resume where the last one stopped):
 //   stage 0 -> 1: the step's record folded into the access record's row (fold_record), the row into
@@ -22,10 +23,13 @@
 //     When the layer's host pool lacks the free slots its dirty victims need, the layer stays at
 //     stage 1 and the call returns [1, the host slots per layer needed in all] (the caller grows
 //     the pool and calls again);
+//   (stage 4: as 2, and a wanted page has a warm copy or no host copy);
 //   stage 2 -> 3 (once every layer is at 2): the wanted pages admitted — all of them, by record,
 //     when every layer has room for all it wants, else the room[l] most important (pick_pages) —
 //     from their host copies into free device slots (admit_pages). When the device pool lacks the
-//     slots, [2, the device slots per layer needed in all] with nothing admitted.
+//     slots, [2, the device slots per layer needed in all] with nothing admitted; when a wanted page
+//     has a warm copy or no host copy (it lives on disk), [3, 0] with nothing admitted (the caller
+//     admits them its own way: the torch path reads the disk).
 // Returns [0, 0] when every layer is done. `counts` [L, 13] accumulates per layer: masked pages,
 // warm reads, pages streamed, streamed from disk, staging rounds (fold_record), pages needed,
 // needed and missing (fold_end), wasted prefetches, pages written back, pages evicted
@@ -37,7 +41,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <vector>
 
 #include "tier_rows.h"
@@ -97,7 +100,7 @@ at::Tensor close_decode_step(
   bool* wt = want.data_ptr<bool>();
   int64_t *nl = need.data_ptr<int64_t>(), *rm = room.data_ptr<int64_t>(), *sg = stage.data_ptr<int64_t>(),
           *cn = counts.data_ptr<int64_t>();
-  for (int64_t l = 0; l < L; ++l) TORCH_CHECK(sg[l] >= 0 && sg[l] <= 3, "stage[", l, "] must lie in [0, 3]");
+  for (int64_t l = 0; l < L; ++l) TORCH_CHECK(sg[l] >= 0 && sg[l] <= 4, "stage[", l, "] must lie in [0, 4]");
   const float wf = static_cast<float>(w_freq), wi = static_cast<float>(w_imp);
 
   // stages 0 -> 2, layer by layer (layers are independent: a pool's slots and counts are per layer)
@@ -120,7 +123,14 @@ at::Tensor close_decode_step(
       // the wanted pages (again on a resumed layer: their inputs have not changed since)
       nl[l] = want_row(C, bytes(rec.mi + o), bytes(rec.nd + o), bytes(tst + o), ds + o, bytes(al),
                        reinterpret_cast<uint8_t*>(wt + o), protect.data());
-      const int64_t short_by = std::max<int64_t>(0, nl[l] - (resident_cap - dev.used[l]));
+      bool elsewhere = false;  // a wanted page with a warm copy or no host copy (its rows are cached now)
+      if (nl[l] > 0) {
+        idx.resize(C);
+        const int64_t n = compact_flags(C, bytes(wt + o), idx.data());
+        for (int64_t i = 0; i < n; ++i) elsewhere |= (hs[o + idx[i]] < 0) | (ws[o + idx[i]] >= 0);
+      }
+      // (a layer that wants nothing evicts nothing: its device use is within resident_cap)
+      const int64_t short_by = nl[l] > 0 ? std::max<int64_t>(0, nl[l] - (resident_cap - dev.used[l])) : 0;
       if (short_by > 0) {
         lfu_row(C, fq + o, ti + o, prio.data(), wf, wi);
         pick_layer(0, C, short_by, /*largest=*/false, prio.data(), nullptr, ds + o, hot,
@@ -134,32 +144,36 @@ at::Tensor close_decode_step(
         for (const int64_t r : victims) evict_one(l, r, o + r, ds, hs, dk, t1p, pf, tst, dev, host, cnt + 7);
       }
       rm[l] = std::min(nl[l], resident_cap - dev.used[l]);
-      sg[l] = 2;
+      sg[l] = elsewhere ? 4 : 2;
     }
   });
   auto out = at::zeros({2}, at::kLong);
   int64_t* res = out.data_ptr<int64_t>();
-  const int64_t host_need = *std::max_element(host_short.begin(), host_short.end());
+  const int64_t host_need = L ? *std::max_element(host_short.begin(), host_short.end()) : 0;
   if (host_need > 0) {
     res[0] = 1, res[1] = host_need;
     return out;
   }
 
-  // stage 2 -> 3: the admissions, once the device pool has the slots
-  bool fits = true;
+  // stage 2 -> 3: the admissions, once the device pool has the slots and every wanted page has its
+  // host copy and no warm one (else nothing is admitted here)
+  bool fits = true, dev_short = false, away = false;
   int64_t dev_need = 0;
-  bool dev_short = false;
   for (int64_t l = 0; l < L; ++l) {
     if (sg[l] == 3) continue;
     fits &= rm[l] >= nl[l];
     dev_need = std::max(dev_need, dev.used[l] + rm[l]);
     dev_short |= dev.used[l] + rm[l] > dev.slots;
+    away |= sg[l] == 4 && rm[l] > 0;
+  }
+  if (away) {
+    res[0] = 3;
+    return out;
   }
   if (dev_short) {
     res[0] = 2, res[1] = dev_need;
     return out;
   }
-  std::atomic<bool> warm_copy{false};
   at::parallel_for(0, L, layer_grain(C), [&](int64_t begin, int64_t end) {
     std::vector<int64_t> idx, take;
     std::vector<Candidate> pool;
@@ -175,17 +189,10 @@ at::Tensor close_decode_step(
       } else {  // the room[l] most important
         pick_layer(0, C, rm[l], /*largest=*/true, ti + o, wt + o, nullptr, nullptr, nullptr, idx, pool, take);
       }
-      for (const int64_t r : take) {
-        if (ws[o + r] >= 0) {
-          warm_copy = true;  // (no warm pool here: the manager's own end_step handles warm copies)
-          continue;
-        }
-        TORCH_CHECK(hs[o + r] >= 0, "page (", l, ", ", r, ") has no host copy");
+      for (const int64_t r : take)
         admit_one(l, r, o + r, rec.sm[o + r], ds, hs, ws, dev, host, nullptr, cn + l * kCounts + 10);
-      }
     }
   });
-  TORCH_CHECK(!warm_copy, "close_decode_step: a wanted page has a warm copy, but no warm pool was given");
   return out;
 }
 

@@ -92,6 +92,9 @@ int64_t want_row(int64_t C, const uint8_t* __restrict__ mi, const uint8_t* __res
                  const uint8_t* __restrict__ st, const int64_t* __restrict__ ds, const uint8_t* __restrict__ alive,
                  uint8_t* __restrict__ want, uint8_t* __restrict__ protect);
 
+// The positions of the set flags of a [C] byte row (0 / 1) into idx, in order; returns how many.
+int64_t compact_flags(int64_t C, const uint8_t* flags, int64_t* idx);
+
 // lfu_priority's row (the layer's highest frequency read first).
 void lfu_row(int64_t C, const int64_t* fq, const float* im, float* out, float w_freq, float w_imp);
 
@@ -101,7 +104,7 @@ void pick_layer(int64_t l, int64_t C, int64_t count, bool largest, const float* 
                 const int64_t* resident, const bool* t0, const bool* protect, std::vector<int64_t>& idx,
                 std::vector<Candidate>& pool, std::vector<int64_t>& out);
 
-// One pool of one tier (tier_moves.cpp): its owner table [L, S] and owned slots per layer [L] —
+// One pool of one tier, as the page moves see it: its owner table [L, S] and owned slots per layer [L] —
 // kept as slots are taken and given back — and, for the device and host pools, its pages' bytes.
 struct Pool {
   int64_t *owner, *used, slots;

@@ -313,6 +313,8 @@ inline int64_t compact(int64_t n, const uint8_t* ok, int64_t base, int64_t* idx,
   return at;
 }
 
+int64_t compact_flags(int64_t C, const uint8_t* flags, int64_t* idx) { return compact(C, flags, 0, idx, 0); }
+
 // One layer's picks of pick_pages into `out` (records, by rank).
 void pick_layer(int64_t l, int64_t C, int64_t count, bool largest, const float* prio, const bool* cand,
                 const int64_t* resident, const bool* t0, const bool* protect, std::vector<int64_t>& idx,

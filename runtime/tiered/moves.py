@@ -304,10 +304,15 @@ class PageMoves:
             host.reserve(written)  # the slots its layers need in all: grown as alloc grows it, then again
         dev.set_used(dev_used)
         host.set_used(host_used)
+        self._count_evicted(wasted, written, moved)
+
+    def _count_evicted(self, wasted: int, written: int, moved: int) -> None:
+        """Account an eviction op's moves: prefetched pages left unused, dirty pages written back
+        (one batched device -> host copy), pages evicted."""
         m = self.metrics
         m.prefetch_wasted += wasted
         if written:
-            self.transfers.to_host_counted(written, written * dev.page_bytes)
+            self.transfers.to_host_counted(written, written * self.device.page_bytes)
             m.writebacks += written
             m.bytes_d2h += written * self.page_bytes
         m.evicted_pages += moved
@@ -335,11 +340,16 @@ class PageMoves:
         dev.set_used(dev_used)
         if warm is not None:
             warm.set_used(warm_used)
+        self._count_admitted(released, fresh, moved)
+        return True
+
+    def _count_admitted(self, released: int, fresh: int, moved: int) -> None:
+        """Account an admission op's moves: warm copies released, pages copied host -> device that
+        were not streamed this step (one batched copy of all ``moved``), pages admitted."""
         self.metrics.warm_promotions += released
-        self.transfers.count_to_device(moved, moved * dev.page_bytes)
+        self.transfers.count_to_device(moved, moved * self.device.page_bytes)
         self._count_h2d(fresh, 0)
         self.metrics.fetched_pages += moved
-        return True
 
     def _unprefetch(self, layers, recs) -> None:
         """Pages leaving the device (or freed) that the prefetcher brought in and no step used:

@@ -15,12 +15,13 @@ import time
 import torch
 
 from tieredkv.models.cpu_attention import tier_step_ops
-from tieredkv.runtime.tiered.masks import any_, count_, select_
+from tieredkv.runtime.tiered.masks import any_, count_, pairs_, select_
 from tieredkv.runtime.tiered.page_table import HIST_MASK
 from tieredkv.runtime.tiered.policies.lfu_importance import LFUImportancePolicy
 from tieredkv.runtime.tiered.step import StepPlan, StepRecord
 
-#: the per-layer counts of ``close_decode_step`` (models/csrc/tier_close.cpp), in its order
+#: the per-layer counts of ``close_decode_step`` (models/csrc/tier_close.cpp), in its order: fold_record's,
+#: fold_end's, evict_pages', admit_pages'
 CLOSE_COUNTS = ("masked", "warm_reads", "streamed", "from_disk", "rounds", "needed", "missed", "wasted", "written",
                 "evicted", "released", "fresh", "admitted")
 
@@ -45,6 +46,15 @@ def _plane(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return x.to(dtype).contiguous()
 
 
+def _record_planes(plan: StepPlan, rec: StepRecord) -> tuple:
+    """The plan's records, validity and T0 and the record's planes, as ``fold_record`` and
+    ``close_decode_step`` take them (their first twelve inputs)."""
+    b, f = torch.bool, torch.float32
+    return (plan.recs.contiguous(), plan.valid.contiguous(), plan.t0.contiguous(), _plane(rec.selected, b),
+            _plane(rec.attended, b), _plane(rec.mass, f), _plane(rec.importance, f), _plane(rec.relevance, f),
+            _plane(rec.exact, b), _plane(rec.full, b), _plane(rec.warm, b), _plane(rec.staged, b))
+
+
 class StepFold:
     #: whether :meth:`close_step` may take the one-op path (False: always the two calls; tests compare)
     close_in_one_op = True
@@ -65,7 +75,8 @@ class StepFold:
         """:meth:`close_step` through ``close_decode_step`` where it applies — no prefetcher and
         nothing staged, no warm tier, a device budget, the lfu-importance policy (its priority
         computed in the op) without an oracle, an unbounded host tier, not a migration window's
-        end, the moves on the CPU — else False with nothing done."""
+        end, the moves on the CPU — else False with nothing done. (``manager_seconds`` then counts
+        the record's fold too, which ``record_step`` leaves out.)"""
         t, m = self.table, self.metrics
         if (self.prefetcher is not None or self.warm is not None or self.resident_cap is None
                 or self.next_use is not None or type(self.policy) is not LFUImportancePolicy
@@ -85,10 +96,7 @@ class StepFold:
         need, room, stage = (torch.zeros(L, dtype=torch.long) for _ in range(3))
         counts = torch.zeros(L, len(CLOSE_COUNTS), dtype=torch.long)
         dev_used, host_used = dev.used(), host.used()  # (copies: the op counts the moves in them)
-        b, f = torch.bool, torch.float32
-        planes = (plan.recs.contiguous(), plan.valid.contiguous(), plan.t0.contiguous(), _plane(rec.selected, b),
-                  _plane(rec.attended, b), _plane(rec.mass, f), _plane(rec.importance, f), _plane(rec.relevance, f),
-                  _plane(rec.exact, b), _plane(rec.full, b), _plane(rec.warm, b), _plane(rec.staged, b))
+        planes = _record_planes(plan, rec)
         while True:
             status, amount = ops.close_decode_step(
                 *planes, acc.needed, acc.missing, acc.streamed, acc.scored, acc.mass, acc.importance,
@@ -97,32 +105,26 @@ class StepFold:
                 t.importance, dev.k, dev.v, dev.owner, dev_used, host.k, host.v, host.owner, host_used, want, need,
                 room, stage, counts, self.resident_cap, self.policy.w_freq, self.policy.w_imp, self.step_no,
                 HIST_MASK, self.staging_pages).tolist()
-            if status == 0:
+            if status in (0, 3):
                 break
             # a pool short of slots (the layers done so far stay done): grown as alloc grows it, then again
-            (host if status == 1 else dev).reserve(amount)
+            pool = host if status == 1 else dev
+            assert pool.max_capacity is None or amount <= pool.max_capacity, "close_step: a pool cannot grow enough"
+            pool.reserve(amount)
         dev.set_used(dev_used)
         host.set_used(host_used)
-        c = dict(zip(CLOSE_COUNTS, counts.sum(0).tolist()))
-        m.masked += c["masked"]
-        if rec.mass is not None:
-            m.warm_reads += c["warm_reads"]
-            m.streamed_pages += c["streamed"]
-            m.staging_rounds += c["rounds"]
-            self._count_h2d(c["streamed"], c["from_disk"])
-        m.hits += c["needed"] - c["missed"]
-        m.misses += c["missed"]
-        m.prefetch_wasted += c["wasted"]
-        if c["written"]:
-            self.transfers.to_host_counted(c["written"], c["written"] * dev.page_bytes)
-            m.writebacks += c["written"]
-            m.bytes_d2h += c["written"] * self.page_bytes
-        m.evicted_pages += c["evicted"]
-        if c["admitted"]:
-            m.warm_promotions += c["released"]
-            self.transfers.count_to_device(c["admitted"], c["admitted"] * dev.page_bytes)
-            self._count_h2d(c["fresh"], 0)
-            m.fetched_pages += c["admitted"]
+        c = counts.sum(0).tolist()
+        self._count_record(rec, *c[:5])
+        needed, missed = c[5:7]
+        m.hits += needed - missed
+        m.misses += missed
+        self._count_evicted(*c[7:10])
+        if c[12]:
+            self._count_admitted(*c[10:13])
+        if status == 3:  # a wanted page has a warm copy or lives on disk: end_step's own admission
+            fits = bool((room >= need).all())
+            layers, recs = pairs_(want, need) if fits else self._highest(want, t.importance, room)
+            self.admit(layers, recs, already_streamed=acc.streamed[layers, recs])
         self.closed_in_one_op += 1
         self._finish_step(True, t_start)
         return True
@@ -135,18 +137,20 @@ class StepFold:
         full-precision resident (warm decodes; streamed pages, staging rounds per layer and
         sequence, host-to-device and disk bytes). A page several sequences list collects from
         each: flags or-ed, masses summed, the highest importance and relevance kept."""
-        acc, t, m = self._access, self.table, self.metrics
+        acc, t = self._access, self.table
         ops = tier_step_ops() if plan.recs.device.type == "cpu" and t.device_slot.device.type == "cpu" else None
         if ops is None:
             return self._record_step_torch(plan, rec)
-        b, f = torch.bool, torch.float32
-        counts = ops.fold_record(
-            plan.recs.contiguous(), plan.valid.contiguous(), plan.t0.contiguous(), _plane(rec.selected, b),
-            _plane(rec.attended, b), _plane(rec.mass, f), _plane(rec.importance, f), _plane(rec.relevance, f),
-            _plane(rec.exact, b), _plane(rec.full, b), _plane(rec.warm, b), _plane(rec.staged, b), t.device_slot,
-            t.warm_slot, t.host_slot, t.staged, acc.needed, acc.missing, acc.streamed, acc.scored, acc.mass,
-            acc.importance, acc.relevance, plan.decode, self.staging_pages)
-        masked, warm_reads, streamed, from_disk, rounds = counts.tolist()
+        counts = ops.fold_record(*_record_planes(plan, rec), t.device_slot, t.warm_slot, t.host_slot, t.staged,
+                                 acc.needed, acc.missing, acc.streamed, acc.scored, acc.mass, acc.importance,
+                                 acc.relevance, plan.decode, self.staging_pages)
+        self._count_record(rec, *counts.tolist())
+
+    def _count_record(self, rec: StepRecord, masked: int, warm_reads: int, streamed: int, from_disk: int,
+                      rounds: int) -> None:
+        """Account a folded record's counts (``fold_record``'s): masked misses; where the step measured
+        its reads, the warm reads, the pages streamed, their staging rounds and link bytes."""
+        m = self.metrics
         m.masked += masked
         if rec.mass is not None:
             m.warm_reads += warm_reads
