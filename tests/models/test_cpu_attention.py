@@ -408,3 +408,24 @@ def test_layer_op_refuses_bad_arguments():
         layer_op()(*args(0, [rec[0][:, :1], *rec[1:]]))
     with pytest.raises(RuntimeError, match="exact_choice and exact come together"):
         layer_op()(*args(0, rec, (lbm(), None)))
+
+
+def test_every_extension_source_is_in_the_wheel():
+    """The extension is built from its sources where the package is installed: every file of
+    models/csrc it compiles or includes is package data (a header left out breaks the build in an
+    installed wheel, which then falls back to the torch paths)."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    from tieredkv.models.cpu_attention import CSRC, SOURCES
+
+    root = Path(__file__).resolve().parents[2]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "tieredkv.models.csrc"]
+    needed = {p.name for p in SOURCES}
+    for src in SOURCES:  # the local headers each source includes
+        needed |= {line.split('"')[1] for line in src.read_text().splitlines() if line.startswith('#include "')}
+    assert needed and all((CSRC / name).exists() for name in needed)
+    missing = [name for name in sorted(needed) if not any(fnmatch.fnmatch(name, g) for g in globs)]
+    assert not missing, f"models/csrc files not in the wheel's package data: {missing}"
