@@ -47,7 +47,6 @@ from tieredkv.runtime.tiered.config import TieredKVConfig
 from tieredkv.runtime.tiered.manager import TierManager
 from tieredkv.runtime.tiered.policies import POLICIES, make_policy
 from tieredkv.runtime.tiered.step import StepRecord
-from tieredkv.runtime.tiered.step_fold import StepFold
 
 
 def cmd_hitrate(args: argparse.Namespace) -> int:
@@ -167,9 +166,9 @@ def cmd_overhead(args: argparse.Namespace) -> int:
 
     # (b) the manager: B sequences of n_pages pages each, resident at the budget, decode steps
     policy = make_policy(cfg.migration.policy)
-    StepFold.close_in_one_op = args.close == "one-op"
     mgr = TierManager(num_layers=L, kv_heads=1, head_dim=1, dtype=torch.float32, config=cfg, budgets=budgets,
                       policy=policy)
+    mgr.close_in_one_op = args.close == "one-op"
     seqs = tuple(range(B))
     for b in seqs:
         mgr.add_sequence(b)

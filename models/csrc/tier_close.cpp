@@ -74,12 +74,8 @@ at::Tensor close_decode_step(
     check_2d(*t, name, L, C, at::kBool);
   check_row(alive, "alive", C);
   check_row(table_t0, "table_t0", C);
-  for (auto [t, name] : {std::pair{&last_access, "last_access"}, {&frequency, "frequency"},
-                         {&win_access, "win_access"}, {&hist, "hist"}})
-    check_2d(*t, name, L, C, at::kLong);
-  for (auto [t, name] : {std::pair{&table_acc_mass, "table_acc_mass"}, {&last_relevance, "last_relevance"},
-                         {&table_importance, "table_importance"}})
-    check_2d(*t, name, L, C, at::kFloat);
+  const TableStats st = table_stats(last_access, frequency, win_access, hist, table_acc_mass, last_relevance,
+                                    table_importance, L, C);
   for (auto [t, name] : {std::pair{&need, "need"}, {&room, "room"}, {&stage, "stage"}}) {
     TORCH_CHECK(t->device().is_cpu() && t->dim() == 1 && t->size(0) == L && t->scalar_type() == at::kLong &&
                     t->is_contiguous(), name, " must be a contiguous CPU long tensor [", L, "]");
@@ -93,10 +89,6 @@ at::Tensor close_decode_step(
   const int64_t* dk = disk_slot.data_ptr<int64_t>();
   bool *pf = prefetched.data_ptr<bool>(), *t1p = t1.data_ptr<bool>(), *tst = table_staged.data_ptr<bool>();
   const bool *hot = table_t0.data_ptr<bool>(), *al = alive.data_ptr<bool>();
-  int64_t *la = last_access.data_ptr<int64_t>(), *fq = frequency.data_ptr<int64_t>(),
-          *wa = win_access.data_ptr<int64_t>(), *hi = hist.data_ptr<int64_t>();
-  float *tam = table_acc_mass.data_ptr<float>(), *lr = last_relevance.data_ptr<float>(),
-        *ti = table_importance.data_ptr<float>();
   bool* wt = want.data_ptr<bool>();
   int64_t *nl = need.data_ptr<int64_t>(), *rm = room.data_ptr<int64_t>(), *sg = stage.data_ptr<int64_t>(),
           *cn = counts.data_ptr<int64_t>();
@@ -116,8 +108,8 @@ at::Tensor close_decode_step(
       int64_t* cnt = cn + l * kCounts;
       if (sg[l] == 0) {
         rec.fold_layer(l, cnt);
-        end_row(C, rec.nd + o, rec.mi + o, rec.sc + o, rec.am + o, rec.ar + o, rec.ai + o, la + o, fq + o, wa + o,
-                hi + o, tam + o, lr + o, ti + o, /*decode=*/true, step_no, hist_mask, cnt + 5);
+        end_row(C, rec.nd + o, rec.mi + o, rec.sc + o, rec.am + o, rec.ar + o, rec.ai + o, st.la + o, st.fq + o,
+                st.wa + o, st.hs + o, st.am + o, st.lr + o, st.ti + o, /*decode=*/true, step_no, hist_mask, cnt + 5);
         sg[l] = 1;
       }
       // the wanted pages (again on a resumed layer: their inputs have not changed since)
@@ -132,7 +124,7 @@ at::Tensor close_decode_step(
       // (a layer that wants nothing evicts nothing: its device use is within resident_cap)
       const int64_t short_by = nl[l] > 0 ? std::max<int64_t>(0, nl[l] - (resident_cap - dev.used[l])) : 0;
       if (short_by > 0) {
-        lfu_row(C, fq + o, ti + o, prio.data(), wf, wi);
+        lfu_row(C, st.fq + o, st.ti + o, prio.data(), wf, wi);
         pick_layer(0, C, short_by, /*largest=*/false, prio.data(), nullptr, ds + o, hot,
                    reinterpret_cast<const bool*>(protect.data()), idx, pool, victims);
         int64_t dirty = 0;
@@ -187,7 +179,7 @@ at::Tensor close_decode_step(
         for (int64_t c = 0; c < C; ++c)
           if (wt[o + c]) take.push_back(c);
       } else {  // the room[l] most important
-        pick_layer(0, C, rm[l], /*largest=*/true, ti + o, wt + o, nullptr, nullptr, nullptr, idx, pool, take);
+        pick_layer(0, C, rm[l], /*largest=*/true, st.ti + o, wt + o, nullptr, nullptr, nullptr, idx, pool, take);
       }
       for (const int64_t r : take)
         admit_one(l, r, o + r, rec.sm[o + r], ds, hs, ws, dev, host, nullptr, cn + l * kCounts + 10);

@@ -82,6 +82,15 @@ StepRecordIn step_record_in(at::Tensor& recs, at::Tensor& valid, at::Tensor& t0,
                             at::Tensor& scored, at::Tensor& acc_mass, at::Tensor& acc_importance,
                             at::Tensor& acc_relevance, bool decode, int64_t staging_pages);
 
+// The page table's statistics columns that fold_end updates, [L, C] each, checked (table_stats).
+struct TableStats {
+  int64_t *la = nullptr, *fq = nullptr, *wa = nullptr, *hs = nullptr;  // last access, frequency, window use, history
+  float *am = nullptr, *lr = nullptr, *ti = nullptr;                   // accumulated mass, last relevance, importance
+};
+TableStats table_stats(at::Tensor& last_access, at::Tensor& frequency, at::Tensor& win_access, at::Tensor& hist,
+                       at::Tensor& acc_mass, at::Tensor& last_relevance, at::Tensor& importance, int64_t L,
+                       int64_t C);
+
 // fold_end's row: the access record's row into the layer's statistics; counts[2] = needed, missing.
 void end_row(int64_t C, const bool* nd, const bool* mi, const bool* sc, const float* ms, const float* rl,
              const float* im, int64_t* la, int64_t* fq, int64_t* wa, int64_t* hs, float* am, float* lr, float* ti,

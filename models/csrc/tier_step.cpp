@@ -424,6 +424,20 @@ StepRecordIn step_record_in(at::Tensor& recs, at::Tensor& valid, at::Tensor& t0,
   return x;
 }
 
+TableStats table_stats(at::Tensor& last_access, at::Tensor& frequency, at::Tensor& win_access, at::Tensor& hist,
+                       at::Tensor& acc_mass, at::Tensor& last_relevance, at::Tensor& importance, int64_t L,
+                       int64_t C) {
+  for (auto [t, name] : {std::pair{&last_access, "last_access"}, {&frequency, "frequency"},
+                         {&win_access, "win_access"}, {&hist, "hist"}})
+    check_2d(*t, name, L, C, at::kLong);
+  for (auto [t, name] : {std::pair{&acc_mass, "table acc_mass"}, {&last_relevance, "last_relevance"},
+                         {&importance, "table importance"}})
+    check_2d(*t, name, L, C, at::kFloat);
+  return {last_access.data_ptr<int64_t>(), frequency.data_ptr<int64_t>(), win_access.data_ptr<int64_t>(),
+          hist.data_ptr<int64_t>(), acc_mass.data_ptr<float>(), last_relevance.data_ptr<float>(),
+          importance.data_ptr<float>()};
+}
+
 void StepRecordIn::fold_layer(int64_t l, int64_t* cnt) const {
   for (int64_t b = 0; b < B; ++b) {
     const int64_t i = b * M, at_ = l * C;
@@ -477,25 +491,18 @@ at::Tensor fold_end(at::Tensor needed, at::Tensor missing, at::Tensor scored, at
   const int64_t L = needed.size(0), C = needed.dim() == 2 ? needed.size(1) : 0;
   for (auto [t, name] : {std::pair{&needed, "needed"}, {&missing, "missing"}, {&scored, "scored"}})
     check_2d(*t, name, L, C, at::kBool);
-  for (auto [t, name] : {std::pair{&last_access, "last_access"}, {&frequency, "frequency"},
-                         {&win_access, "win_access"}, {&hist, "hist"}})
-    check_2d(*t, name, L, C, at::kLong);
-  for (auto [t, name] : {std::pair{&mass, "mass"}, {&relevance, "relevance"}, {&importance, "importance"},
-                         {&acc_mass, "acc_mass"}, {&last_relevance, "last_relevance"},
-                         {&table_importance, "table_importance"}})
+  for (auto [t, name] : {std::pair{&mass, "mass"}, {&relevance, "relevance"}, {&importance, "importance"}})
     check_2d(*t, name, L, C, at::kFloat);
+  const TableStats st = table_stats(last_access, frequency, win_access, hist, acc_mass, last_relevance,
+                                    table_importance, L, C);
   const bool *nd = needed.data_ptr<bool>(), *mi = missing.data_ptr<bool>(), *sc = scored.data_ptr<bool>();
   const float *ms = mass.data_ptr<float>(), *rl = relevance.data_ptr<float>(), *im = importance.data_ptr<float>();
-  int64_t *la = last_access.data_ptr<int64_t>(), *fq = frequency.data_ptr<int64_t>(),
-          *wa = win_access.data_ptr<int64_t>(), *hs = hist.data_ptr<int64_t>();
-  float *am = acc_mass.data_ptr<float>(), *lr = last_relevance.data_ptr<float>(),
-        *ti = table_importance.data_ptr<float>();
   std::vector<int64_t> counts(2 * L, 0);
   at::parallel_for(0, L, layer_grain(C), [&](int64_t begin, int64_t end) {
     for (int64_t l = begin; l < end; ++l) {
       const int64_t o = l * C;
-      end_row(C, nd + o, mi + o, sc + o, ms + o, rl + o, im + o, la + o, fq + o, wa + o, hs + o, am + o, lr + o, ti + o,
-              decode, step_no, hist_mask, counts.data() + 2 * l);
+      end_row(C, nd + o, mi + o, sc + o, ms + o, rl + o, im + o, st.la + o, st.fq + o, st.wa + o, st.hs + o, st.am + o,
+              st.lr + o, st.ti + o, decode, step_no, hist_mask, counts.data() + 2 * l);
     }
   });
   auto out = at::zeros({2}, at::kLong);

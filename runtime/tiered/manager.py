@@ -508,12 +508,16 @@ class TierManager(StepFold, PageMoves, WarmTier, WindowMigration, TierAccounting
         want, protect, need = self.wanted()
         t.staged.zero_()  # the staging area is the step's: what it held is adopted below or gone
         if bool(need.any()):
-            room = self._make_room(need, protect=protect)
-            # room for every page wanted (the common case): no ranking; else the most important first
-            fits = bool((room >= need).all())
-            layers, recs = pairs_(want, need) if fits else self._highest(want, t.importance, room)
-            self.admit(layers, recs, already_streamed=access.streamed[layers, recs])
+            self._admit_wanted(want, need, self._make_room(need, protect=protect))
         self._finish_step(decode, t_start)
+
+    def _admit_wanted(self, want: torch.Tensor, need: torch.Tensor, room: torch.Tensor) -> None:
+        """The step's wanted pages ``want`` [L, R] (``need`` [L] of them) into the device slots made
+        for them (``room`` [L]): all of them, by record, where every layer has room for all it wants
+        (the common case: no ranking), else the ``room[l]`` most important of each layer."""
+        fits = bool((room >= need).all())
+        layers, recs = pairs_(want, need) if fits else self._highest(want, self.table.importance, room)
+        self.admit(layers, recs, already_streamed=self._access.streamed[layers, recs])
 
     def _finish_step(self, decode: bool, t_start: float) -> None:
         if decode and self.prefetcher is not None:

@@ -15,7 +15,7 @@ import time
 import torch
 
 from tieredkv.models.cpu_attention import tier_step_ops
-from tieredkv.runtime.tiered.masks import any_, count_, pairs_, select_
+from tieredkv.runtime.tiered.masks import any_, count_, select_
 from tieredkv.runtime.tiered.page_table import HIST_MASK
 from tieredkv.runtime.tiered.policies.lfu_importance import LFUImportancePolicy
 from tieredkv.runtime.tiered.step import StepPlan, StepRecord
@@ -122,9 +122,7 @@ class StepFold:
         if c[12]:
             self._count_admitted(*c[10:13])
         if status == 3:  # a wanted page has a warm copy or lives on disk: end_step's own admission
-            fits = bool((room >= need).all())
-            layers, recs = pairs_(want, need) if fits else self._highest(want, t.importance, room)
-            self.admit(layers, recs, already_streamed=acc.streamed[layers, recs])
+            self._admit_wanted(want, need, room)
         self.closed_in_one_op += 1
         self._finish_step(True, t_start)
         return True

@@ -188,15 +188,11 @@ def test_moves_through_the_ops_equal_the_torch_moves(warm, host_budget, batch, p
         assert last["warm_promotions"] > 0
     if prefetch:
         assert last["prefetched_pages"] > 0
-    for step, (got, want) in enumerate(zip(native, ref)):
-        for key, value in want.items():
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(got[key], value), f"step {step}: {key}"
-            else:
-                assert got[key] == value, f"step {step}: {key}"
+    _same_states(native, ref)
 
 
 def _same_states(got: list[dict], want: list[dict]) -> None:
+    """Two runs' states (``_state`` after every step) equal, step for step and key for key."""
     assert len(got) == len(want)
     for step, (a, b) in enumerate(zip(got, want)):
         for key, value in b.items():
