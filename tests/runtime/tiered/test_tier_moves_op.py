@@ -303,8 +303,7 @@ def test_a_step_closed_in_one_op_grows_the_pools_as_the_moves_do():
     """The op's resumed calls: a host pool short of slots for the dirty victims inside the one op is
     grown and the step goes on where it stopped — the same states as the two calls, which grow it in
     their own moves; and a paused sequence resumed, its pages admitted back in one op. (The device
-    pool's growth inside the op, for admissions, is not reached here: the steps' own new pages grow
-    it first.)"""
+    pool's growth inside the op, for admissions: the next test.)"""
     grown = []
     with _growth_in_one_op(grown):
         one = _pause_resume(True)
@@ -318,6 +317,59 @@ def test_a_step_closed_in_one_op_grows_the_pools_as_the_moves_do():
     _same_states(one[:-1], two[:-1])
     for (b, seed), got in zip(((2, 0), (3, 1), (3, 2)), one_drive):
         _same_states(got, _drive("native", "off", None, False, b, seed, one_op=False))
+
+
+def _resume_into_a_full_pool(one_op: bool) -> list:
+    """A device pool whose allocated slots are all taken when a resumed sequence's pages are
+    wanted again, its budget far above: the step's admissions need slots the pool has not
+    allocated yet (no page of the step is new, so nothing grew it before its close)."""
+    L, P = 3, 4
+    cfg = TieredKVConfig(page_size=P, sink_tokens=4, recent_tokens=4, device_budget="64KiB",
+                         policy="lfu-importance", mode="exact", warm_codec="off", staging_pages=2, window_steps=64)
+    budgets = resolve_budgets(cfg, num_layers=L, token_bytes_per_layer=2 * 2 * 8 * 2, full_tokens=200,
+                              num_sequences=2, dtype=torch.float16)
+    mgr = TierManager(num_layers=L, kv_heads=2, head_dim=8, dtype=torch.float16, config=cfg, budgets=budgets,
+                      policy=make_policy(cfg.migration.policy))
+    mgr.close_in_one_op = one_op
+    gen = torch.Generator().manual_seed(5)
+
+    def step(seqs, n, decode):
+        plan = mgr.begin_step(seqs, n)
+        for layer in range(L):
+            k, v = torch.randn(2, len(seqs) * n, 2, 8, generator=gen).half()
+            mgr.write_tokens(layer, plan, k, v, torch.rand(len(seqs) * n, generator=gen))
+        sel = plan.valid.unsqueeze(0).expand(L, -1, -1).clone()
+        rec = StepRecord(selected=sel, attended=sel, relevance=None, importance=torch.rand(sel.shape, generator=gen),
+                         mass=torch.rand(sel.shape, generator=gen) * sel)
+        mgr.close_step(plan, rec, decode=decode)
+        mgr.check_invariants()
+        return _state(mgr)
+
+    mgr.add_sequence(0)
+    mgr.add_sequence(1)
+    states = [step((0,), 62, False)]  # 16 pages: the pool's first 16 slots
+    mgr.pause(0)  # 13 pages leave (3 hot stay)
+    states.append(step((1,), 50, False))  # 13 pages: 16 used again (no page of either ends full)
+    mgr.resume(0)
+    assert mgr.resident_cap >= 29 and int(mgr.device.used().max()) == mgr.device.capacity == 16
+    states += [step((0, 1), 1, True) for _ in range(2)]  # seq 0's 13 pages wanted: admitted
+    states.append(mgr.closed_in_one_op)
+    mgr.close()
+    return states
+
+
+@needs_op
+def test_a_step_closed_in_one_op_grows_the_device_pool_for_its_admissions():
+    """The op stops before any admission when the device pool lacks allocated slots for them
+    (status 2), the manager grows the pool, the op goes on: the same states as the two calls."""
+    grown = []
+    with _growth_in_one_op(grown):
+        one = _resume_into_a_full_pool(True)
+    assert "device" in grown, grown
+    two = _resume_into_a_full_pool(False)
+    assert one[-1] == 2 and two[-1] == 0
+    assert one[-2]["metrics"]["fetched_pages"] >= 3 * 13
+    _same_states(one[:-1], two[:-1])
 
 
 @needs_op
