@@ -1,9 +1,13 @@
-"""tools/bench_decode.py's summary over rounds: medians, ratios within a round, outputs."""
+"""tools/bench_decode.py's summary over rounds (medians, ratios within a round, outputs) and its
+rows interleaved in one process."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
@@ -32,3 +36,19 @@ def test_skipped_rows_stay_skipped():
     got = bd.summarize(1, "vllm", rounds)
     assert got["skipped"] == "no peer venv" and got["decode_tok_s"] is None and got["vs_paged"] is None
     assert bd.summarize(1, "paged", rounds)["vs_paged"] == 1.0
+
+
+@pytest.mark.slow
+def test_interleaved_rows_run_in_one_process_round_by_round(tmp_path, smollm, pg_ids):
+    # the real model, two short prompts: each round has every row, its outputs are the paged
+    # row's, and a budget below the hot windows is a skipped row in every round, not a failure
+    pf = tmp_path / "prompts.json"
+    pf.write_text(json.dumps([pg_ids[:200], pg_ids[200:380]]))
+    rows = ["paged", "tiered-all", "tiered-12.5"]
+    got = bd.run_rows(rows, str(pf), new_tokens=3, repeats=1, threads=1, rounds=2)
+    assert len(got) == 2 and all(list(r) == rows for r in got)
+    for r in got:
+        assert r["paged"]["decode_tokens"] == 4 and r["paged"]["decode_tok_s"] > 0
+        assert r["tiered-all"]["outputs"] == r["paged"]["outputs"] and len(r["paged"]["outputs"][0]) == 3
+        assert "ConfigError" in r["tiered-12.5"]["skipped"]
+    assert bd.summarize(2, "tiered-all", got)["equal_to_paged"] == 2
