@@ -97,16 +97,19 @@ def _manager(warm: str, host_budget: str | None, disk: bool, batch: int, prefetc
 
 def _drive(backend: str, warm: str, host_budget: str | None, disk: bool, batch: int, seed: int,
            prefetch: bool = False, one_op: bool = False, runs: list | None = None,
-           unmeasured: bool = False) -> list[dict]:
+           unmeasured: bool = False, records: int | None = None) -> list[dict]:
     """Prefill ``batch`` sequences in chunks, then decode steps that need random pages (the
     overhead benchmark's pattern: a recent stretch, recurring pages, a few at random); the state
     after every step. ``one_op``: each decode step closed by ``close_step`` (its one op where it
     applies), else by ``record_step`` and ``end_step``; ``runs`` gets the manager; ``unmeasured``:
     every fifth decode step records no attention mass (the needed pages only, as the cache's steps
-    that ran the paged path)."""
+    that ran the paged path); ``records``: the page table grown to that many records first (the
+    native ops split the layers between threads when a layer's columns are long enough)."""
     set_cpu_manager(backend)
     try:
         mgr = _manager(warm, host_budget, disk, batch, prefetch)
+        if records is not None:
+            mgr.table.grow(records - mgr.table.capacity)
         mgr.close_in_one_op = one_op
         if runs is not None:
             runs.append(mgr)
@@ -239,6 +242,27 @@ def test_a_step_closed_in_one_op_equals_the_two_calls(batch, unmeasured, seed):
     assert runs[0].warm is None and runs[0].closed_in_one_op == 24 - 24 // 4 and runs[1].closed_in_one_op == 0
     assert two[-1]["metrics"]["fetched_pages"] > 0 and two[-1]["metrics"]["writebacks"] > 0
     _same_states(one, two)
+
+
+@needs_op
+@pytest.mark.parametrize("batch,seed", [(1, 0), (3, 1)])
+def test_a_step_closed_in_one_op_on_two_threads_equals_the_two_calls(batch, seed):
+    """Tables long enough that the ops split their layers between two threads (a task takes ~32k
+    entries: 3 layers of 16,384 records run as two tasks): the one op and the separate ops, each
+    split, leave the same states as the torch moves on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = []
+        one = _drive("native", "off", None, False, batch, seed, one_op=True, runs=runs, records=16384)
+        two = _drive("native", "off", None, False, batch, seed, one_op=False, records=16384)
+    finally:
+        torch.set_num_threads(threads)
+    ref = _drive("torch", "off", None, False, batch, seed, records=16384)
+    assert runs[0].table.capacity == 16384 and runs[0].closed_in_one_op == 24 - 24 // 4
+    assert ref[-1]["metrics"]["fetched_pages"] > 0 and ref[-1]["metrics"]["writebacks"] > 0
+    _same_states(one, ref)
+    _same_states(two, ref)
 
 
 @needs_op
