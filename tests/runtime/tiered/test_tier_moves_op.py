@@ -284,19 +284,20 @@ def test_close_step_is_the_two_calls_where_the_op_does_not_apply(case, batch, se
     _same_states(one, two)
 
 
-def _pause_resume(one_op: bool) -> list[dict]:
-    """Two sequences under a device budget that holds them: one paused (its pages leave the device)
-    while the other decodes 98 tokens, then resumed and every page of both needed: the resumed
-    sequence's pages come back through the step's admissions."""
+def _two_sequences(one_op: bool, *, recent_tokens: int, device_budget: str, seed: int):
+    """A manager of sequences 0 and 1 (3 layers, pages of 4 tokens, no warm tier) and its step:
+    ``step(seqs, n, decode)`` writes n random tokens per sequence, records every listed page as
+    selected and attended, closes the step (through the one op where it applies, if ``one_op``),
+    checks the invariants and returns the state."""
     L, P = 3, 4
-    cfg = TieredKVConfig(page_size=P, sink_tokens=4, recent_tokens=8, device_budget="48KiB",
+    cfg = TieredKVConfig(page_size=P, sink_tokens=4, recent_tokens=recent_tokens, device_budget=device_budget,
                          policy="lfu-importance", mode="exact", warm_codec="off", staging_pages=2, window_steps=64)
     budgets = resolve_budgets(cfg, num_layers=L, token_bytes_per_layer=2 * 2 * 8 * 2, full_tokens=200,
                               num_sequences=2, dtype=torch.float16)
     mgr = TierManager(num_layers=L, kv_heads=2, head_dim=8, dtype=torch.float16, config=cfg, budgets=budgets,
                       policy=make_policy(cfg.migration.policy))
     mgr.close_in_one_op = one_op
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(seed)
 
     def step(seqs, n, decode):
         plan = mgr.begin_step(seqs, n)
@@ -312,6 +313,14 @@ def _pause_resume(one_op: bool) -> list[dict]:
 
     mgr.add_sequence(0)
     mgr.add_sequence(1)
+    return mgr, step
+
+
+def _pause_resume(one_op: bool) -> list[dict]:
+    """Two sequences under a device budget that holds them: one paused (its pages leave the device)
+    while the other decodes 98 tokens, then resumed and every page of both needed: the resumed
+    sequence's pages come back through the step's admissions."""
+    mgr, step = _two_sequences(one_op, recent_tokens=8, device_budget="48KiB", seed=3)
     states = [step((0,), 62, False), step((1,), 16, False)]  # (last pages partial: no new page when resumed)
     mgr.pause(0)
     states += [step((1,), 1, True) for _ in range(98)]
@@ -347,30 +356,7 @@ def _resume_into_a_full_pool(one_op: bool) -> list:
     """A device pool whose allocated slots are all taken when a resumed sequence's pages are
     wanted again, its budget far above: the step's admissions need slots the pool has not
     allocated yet (no page of the step is new, so nothing grew it before its close)."""
-    L, P = 3, 4
-    cfg = TieredKVConfig(page_size=P, sink_tokens=4, recent_tokens=4, device_budget="64KiB",
-                         policy="lfu-importance", mode="exact", warm_codec="off", staging_pages=2, window_steps=64)
-    budgets = resolve_budgets(cfg, num_layers=L, token_bytes_per_layer=2 * 2 * 8 * 2, full_tokens=200,
-                              num_sequences=2, dtype=torch.float16)
-    mgr = TierManager(num_layers=L, kv_heads=2, head_dim=8, dtype=torch.float16, config=cfg, budgets=budgets,
-                      policy=make_policy(cfg.migration.policy))
-    mgr.close_in_one_op = one_op
-    gen = torch.Generator().manual_seed(5)
-
-    def step(seqs, n, decode):
-        plan = mgr.begin_step(seqs, n)
-        for layer in range(L):
-            k, v = torch.randn(2, len(seqs) * n, 2, 8, generator=gen).half()
-            mgr.write_tokens(layer, plan, k, v, torch.rand(len(seqs) * n, generator=gen))
-        sel = plan.valid.unsqueeze(0).expand(L, -1, -1).clone()
-        rec = StepRecord(selected=sel, attended=sel, relevance=None, importance=torch.rand(sel.shape, generator=gen),
-                         mass=torch.rand(sel.shape, generator=gen) * sel)
-        mgr.close_step(plan, rec, decode=decode)
-        mgr.check_invariants()
-        return _state(mgr)
-
-    mgr.add_sequence(0)
-    mgr.add_sequence(1)
+    mgr, step = _two_sequences(one_op, recent_tokens=4, device_budget="64KiB", seed=5)
     states = [step((0,), 62, False)]  # 16 pages: the pool's first 16 slots
     mgr.pause(0)  # 13 pages leave (3 hot stay)
     states.append(step((1,), 50, False))  # 13 pages: 16 used again (no page of either ends full)
