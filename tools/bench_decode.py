@@ -223,7 +223,8 @@ def main() -> int:
     for batch in args.batches:
         pf = out / f"prompts_b{batch}.json"
         pf.write_text(json.dumps(all_prompts[:batch]))
-        ours = [r for r in args.rows if r != "vllm"]
+        # (paged-torch switches the process's kernels: it keeps a process of its own, as vLLM)
+        ours = [r for r in args.rows if r not in ("vllm", "paged-torch")]
 
         def in_process(rows: list[str], n_rounds: int, tag: str) -> list[dict[str, dict]]:
             res = out / f"{tag}_b{batch}.json"
@@ -247,7 +248,7 @@ def main() -> int:
                 if row == "vllm":
                     got[row] = run_vllm(str(pf), args.new_tokens, args.repeats, args.threads, out)
                 else:
-                    got[row] = in_process([row], 1, row)[0]
+                    got[row] = in_process([row], 1, row)[0][row]
             rounds[rnd] = {row: got[row] for row in args.rows}
         for row in args.rows:
             results.append(summarize(batch, row, rounds))

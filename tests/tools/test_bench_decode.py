@@ -4,6 +4,7 @@ rows interleaved in one process."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -52,3 +53,17 @@ def test_interleaved_rows_run_in_one_process_round_by_round(tmp_path, smollm, pg
         assert r["tiered-all"]["outputs"] == r["paged"]["outputs"] and len(r["paged"]["outputs"][0]) == 3
         assert "ConfigError" in r["tiered-12.5"]["skipped"]
     assert bd.summarize(2, "tiered-all", got)["equal_to_paged"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("interleave", [False, True])
+def test_the_table_has_every_row_a_process_of_its_own_or_interleaved(tmp_path, smollm, interleave):
+    # the whole command, tiny: a row per process (paged-torch always, as it switches the kernels)
+    # or the rows interleaved in one; every row timed and its outputs compared in the table
+    cmd = [sys.executable, str(Path(bd.__file__)), "--batches", "1", "--prompt-len", "200", "--new-tokens", "3",
+           "--rows", "paged", "paged-torch", "tiered-all", "--threads", "1", "--out", str(tmp_path)]
+    subprocess.run(cmd + (["--interleave"] if interleave else []), check=True, capture_output=True)
+    rows = {r["row"]: r for r in json.loads((tmp_path / "results.json").read_text())}
+    assert list(rows) == ["paged", "paged-torch", "tiered-all"]
+    for r in rows.values():
+        assert r["decode_tok_s"] > 0 and r["vs_paged"] > 0 and r["equal_to_paged"] == 1 and not r["skipped"]
